@@ -1,0 +1,29 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned, so the package's `torch>=2.3` is already met and no other build is pulled
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[harness,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/accordion plan --model resnet18 --num-classes 10 --workers 4 --steps 29400 \
+		--compressor powersgd --levels 2,1
+	$(VENV)/bin/accordion plan --model resnet18 --num-classes 10 --workers 4 --steps 29400 \
+		--compressor topk --levels 0.99,0.1
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
