@@ -1,0 +1,203 @@
+"""The ``accordion`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .compress import PowerSGD, TopK
+from .costmodel import parse_bandwidth, parse_latency
+
+COMPRESSORS = ("powersgd", "topk")
+
+PLAN_JSON_KEYS = """\
+--json prints one object: model, num_classes, parameters, tensors, compressed_tensors,
+workers, steps, compressor, bandwidth_bytes_per_s, latency_s, and "levels": a list with
+one entry for dense and one per level, each with
+  label                 "dense", "rank R" or "top-k K"
+  compressor, level     the compressor kind and its level (null for dense)
+  floats_per_step       floats one worker sends per step, paper convention
+  floats_total          floats_per_step * steps
+  bytes_per_step        bytes one worker puts on the wire per step (ring collectives)
+  compression_ratio     dense floats_per_step / this level's floats_per_step
+  comm_time_per_step_s  predicted communication seconds per step (alpha-beta model)
+"""
+
+
+def parse_levels(text: str, compressor: str) -> list[Any]:
+    """Parse ``--levels`` ("2,1" ranks for PowerSGD, "0.99,0.1" fractions for top-k)."""
+    if compressor not in COMPRESSORS:
+        raise ValueError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(f"levels must be a comma-separated list such as '2,1', got {text!r}")
+    levels: list[Any] = []
+    for item in items:
+        if compressor == "powersgd":
+            try:
+                value: Any = int(item)
+            except ValueError:
+                raise ValueError(
+                    f"levels for powersgd must be integer ranks >= 1, got {item!r} in {text!r}"
+                ) from None
+            levels.append(PowerSGD.check_level(value))
+        else:
+            try:
+                value = float(item)
+            except ValueError:
+                raise ValueError(
+                    f"levels for topk must be fractions in (0, 1], got {item!r} in {text!r}"
+                ) from None
+            levels.append(TopK.check_level(value))
+    return levels
+
+
+def _human(count: float) -> str:
+    # Paper units: millions below ten billion, billions above; 3 decimals so that the
+    # paper's one-decimal figures (which are truncated, not rounded) can be read off.
+    return f"{count / 1e6:,.3f} M" if count < 1e10 else f"{count / 1e9:,.3f} B"
+
+
+def _bytes(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from .models import MODEL_NAMES, get_model
+    from .plan import make_plan
+
+    parser = args.parser
+    if args.model not in MODEL_NAMES:
+        parser.error(
+            f"argument --model: must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}"
+        )
+    if args.compressor not in COMPRESSORS:
+        parser.error(
+            f"argument --compressor: must be one of {', '.join(COMPRESSORS)}, "
+            f"got {args.compressor!r}"
+        )
+    try:
+        levels = parse_levels(args.levels, args.compressor)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"argument --levels: {exc}")
+    for flag, value, least in (
+        ("--workers", args.workers, 1),
+        ("--steps", args.steps, 0),
+        ("--num-classes", args.num_classes, 1),
+    ):
+        if value < least:
+            parser.error(f"argument {flag}: must be an int >= {least}, got {value}")
+    try:
+        bandwidth = parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        parser.error(f"argument --bandwidth: {exc}")
+    try:
+        latency = parse_latency(args.latency)
+    except ValueError as exc:
+        parser.error(f"argument --latency: {exc}")
+
+    model = get_model(args.model, num_classes=args.num_classes)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    rows = make_plan(shapes, args.compressor, levels, args.workers, args.steps, bandwidth, latency)
+    parameters = sum(p.numel() for p in model.parameters())
+    compressed = sum(len(s) >= 2 for s in shapes)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "num_classes": args.num_classes,
+                    "parameters": parameters,
+                    "tensors": len(shapes),
+                    "compressed_tensors": compressed,
+                    "workers": args.workers,
+                    "steps": args.steps,
+                    "compressor": args.compressor,
+                    "bandwidth_bytes_per_s": bandwidth,
+                    "latency_s": latency,
+                    "levels": [row.as_dict() for row in rows],
+                }
+            )
+        )
+        return 0
+    print(
+        f"accordion plan: {args.model}, {args.num_classes} classes, {parameters:,} parameters "
+        f"in {len(shapes)} tensors ({compressed} compressible), {args.workers} workers, "
+        f"{args.steps:,} steps"
+    )
+    print(
+        f"link {args.bandwidth}, latency {args.latency}: alpha-beta model, ring collectives; "
+        "floats per worker in the paper's convention"
+    )
+    header = ("level", "floats/step", "floats total", "bytes/step", "ratio", "comm ms/step")
+    table = [
+        (
+            row.label,
+            f"{row.floats_per_step:,}",
+            _human(row.floats_total),
+            _bytes(row.bytes_per_step),
+            f"{row.compression_ratio:.1f}x",
+            f"{row.comm_time_per_step_s * 1e3:.3f}",
+        )
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in (header, *table)) for i in range(len(header))]
+    for cells in (header, *table):
+        # the label column reads left-aligned, the figures right-aligned
+        padded = [
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        print("  ".join(padded))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``accordion`` command."""
+    parser = argparse.ArgumentParser(
+        prog="accordion", description="Adaptive gradient compression for PyTorch DDP."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser(
+        "plan",
+        help="predict what each compression level sends for a model",
+        description="Floats, bytes and predicted time per step for dense and each level.",
+        epilog=PLAN_JSON_KEYS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", default="resnet18", help="model name (default resnet18)")
+    plan.add_argument("--num-classes", type=int, default=10, help="classes (default 10)")
+    plan.add_argument("--workers", type=int, default=4, help="data-parallel workers (default 4)")
+    plan.add_argument("--steps", type=int, default=29400, help="optimizer steps (default 29400)")
+    plan.add_argument(
+        "--compressor", default="powersgd", help="powersgd or topk (default powersgd)"
+    )
+    plan.add_argument(
+        "--levels",
+        default=None,
+        help="comma-separated levels: PowerSGD ranks (default '2,1') or top-k fractions "
+        "(default '0.99,0.1')",
+    )
+    plan.add_argument("--bandwidth", default="10Gbit", help="link rate (default 10Gbit)")
+    plan.add_argument("--latency", default="50us", help="per-message latency (default 50us)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (keys below)")
+    plan.set_defaults(handler=_plan_command, parser=plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``accordion`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "plan" and args.levels is None:
+        args.levels = "2,1" if args.compressor == "powersgd" else "0.99,0.1"
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Compressors whose level can change at any step: ``Dense``, ``PowerSGD``, ``TopK``.
+
+The contract, shared by all three: ``exchange(keys, tensors, world_size)`` is a
+generator that yields communication phases to a transport (see ``transport.py``) and
+returns, for each input tensor, ``(average, residual)``:
+
+* ``average`` -- this step's estimate of the mean of the tensor over all workers;
+* ``residual`` -- the part of the local input that was not sent (for error feedback),
+  or ``None`` when everything was sent.
+
+The input tensors are *owned by the exchange*: it may overwrite them (the residuals
+are usually the inputs, modified in place). All inputs of one call share a dtype and a
+device. A compressor holds a level per key (PowerSGD rank, top-k fraction) and any
+warm-start state; error-feedback memory lives in ``memory.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..accounting import matrix_shape, powersgd_rank, topk_count
+from .transport import AllGather, AllReduce, Exchange
+
+Result = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class Compressor(ABC):
+    """A gradient compressor with a level per tensor that may change at any step."""
+
+    #: The accounting kind: "dense", "powersgd" or "topk".
+    kind: ClassVar[str]
+
+    def __init__(self, level: Any = None):
+        self.default_level = self.check_level(level)
+        self._levels: dict[Hashable, Any] = {}
+
+    @classmethod
+    @abstractmethod
+    def check_level(cls, level: Any) -> Any:
+        """Validate a level and return it normalised; raise ``TypeError``/``ValueError``."""
+
+    def level(self, key: Hashable) -> Any:
+        """The level used for ``key`` at the next exchange."""
+        return self._levels.get(key, self.default_level)
+
+    def set_level(self, level: Any, keys: Iterable[Hashable] | None = None) -> None:
+        """Set the level of ``keys`` (of every tensor, and the default, when ``None``).
+
+        Takes effect at the next exchange. Error-feedback memory is not touched.
+        """
+        level = self.check_level(level)
+        if keys is None:
+            self.default_level = level
+            self._levels.clear()
+        else:
+            for key in list(keys):
+                self._levels[key] = level
+
+    @abstractmethod
+    def exchange(
+        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+    ) -> Exchange[Result]:
+        """Average ``tensors`` over the workers; see the module docstring."""
+
+    def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
+        """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Levels (and subclasses' factors) as tensors and plain values."""
+        return {
+            "kind": self.kind,
+            "default_level": self.default_level,
+            "levels": dict(self._levels),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a different compressor kind is an error."""
+        if not isinstance(state, Mapping) or state.get("kind") != self.kind:
+            got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"state is for compressor kind {got!r}, not {self.kind!r}")
+        self.default_level = self.check_level(state["default_level"])
+        self._levels = {key: self.check_level(v) for key, v in state["levels"].items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.default_level!r})"
+
+
+class Dense(Compressor):
+    """No compression: one all-reduce of all tensors, divided by the world size first.
+
+    Dividing before the sum is what DDP's own all-reduce does, so results match it bitwise.
+    """
+
+    kind = "dense"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    @classmethod
+    def check_level(cls, level: Any) -> None:
+        """Dense has a single level, ``None``."""
+        if level is not None:
+            raise ValueError(f"level must be None for Dense, got {level!r}")
+        return None
+
+    def exchange(
+        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+    ) -> Exchange[Result]:
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat.div_(world_size)
+        yield [AllReduce(flat)]
+        outputs, offset = [], 0
+        for t in tensors:
+            outputs.append((flat[offset : offset + t.numel()].view(t.shape), None))
+            offset += t.numel()
+        return outputs
+
+    def __repr__(self) -> str:
+        return "Dense()"
+
+
+def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
+    """Gram-Schmidt on the columns of each matrix in ``p`` (``[batch, n, r]``), in place.
+
+    A zero column stays zero instead of becoming NaN. Half-precision inputs are
+    orthogonalised in fp32, whose range the squared norms need.
+    """
+    work = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+    tiny = torch.finfo(work.dtype).tiny
+    for i in range(work.shape[-1]):
+        col = work[..., i : i + 1]
+        col.div_(torch.linalg.vector_norm(col, dim=-2, keepdim=True).clamp_min(tiny))
+        if i + 1 < work.shape[-1]:
+            rest = work[..., i + 1 :]
+            rest.sub_(col @ (col.transpose(-1, -2) @ rest))
+    if work is not p:
+        p.copy_(work)
+    return p
+
+
+def _stable_seed(seed: int, key: Hashable) -> int:
+    # Python's hash() of a str differs between processes; crc32 of the repr does not.
+    return (seed * 1_000_003 + zlib.crc32(repr(key).encode())) % (2**63 - 1)
+
+
+class PowerSGD(Compressor):
+    """Rank-``r`` PowerSGD (Vogels et al., 2019) with one warm-started power iteration.
+
+    Each tensor is viewed as an ``n x m`` matrix ``M`` (``n = shape[0]``) and sent as
+    factors of rank ``r' = min(n, m, rank)``: ``P = M Q``, all-reduce P (sum),
+    orthogonalise, ``Q = M^T P``, all-reduce Q and divide by the world size; the average
+    is ``P Q^T`` and the residual ``M - P Q^T``. ``Q`` is warm-started from the previous
+    step and initially drawn from ``seed`` and the tensor's key, identically on every
+    worker (P is summed, so Q must agree everywhere). Tensors with the same ``(n, m, r')``
+    go through one batched matmul, and all P (then all Q) factors of a call travel in one
+    all-reduce. Changing a tensor's rank redraws its Q from the shared seed; the
+    error-feedback memory is kept. A Q column that became exactly zero (a zero
+    gradient) is redrawn too, so that compression does not stall at zero forever.
+
+    Args:
+        rank: default rank, an int >= 1.
+        seed: seed shared by all workers for the initial Q factors.
+    """
+
+    kind = "powersgd"
+
+    def __init__(self, rank: int = 2, seed: int = 0):
+        super().__init__(rank)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        self._q: dict[Hashable, torch.Tensor] = {}
+        self._q_level: dict[Hashable, int] = {}
+        self._seed_q: dict[tuple[Hashable, int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    @classmethod
+    def check_level(cls, level: Any) -> int:
+        """A rank: an int >= 1."""
+        if isinstance(level, bool) or not isinstance(level, numbers.Integral):
+            raise TypeError(f"rank must be an int >= 1, got {level!r}")
+        if level < 1:
+            raise ValueError(f"rank must be an int >= 1, got {level}")
+        return int(level)
+
+    def initial_q(
+        self, key: Hashable, m: int, r: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The shared-seed ``m x r`` starting factor of ``key`` (same on every worker).
+
+        Drawn one column at a time, so the first columns do not depend on ``r``.
+        """
+        cache_key = (key, m, r, dtype, device)
+        q = self._seed_q.get(cache_key)
+        if q is None:
+            gen = torch.Generator().manual_seed(_stable_seed(self.seed, key))
+            columns = [torch.randn(m, generator=gen) for _ in range(r)]
+            q = torch.stack(columns, dim=1).to(device=device, dtype=dtype)
+            self._seed_q[cache_key] = q
+        return q
+
+    def _start_q(self, key: Hashable, m: int, r: int, dtype, device) -> torch.Tensor:
+        q = self._q.get(key)
+        if q is None or self._q_level.get(key) != self.level(key) or q.shape != (m, r):
+            return self.initial_q(key, m, r, dtype, device)
+        return q
+
+    def exchange(
+        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+    ) -> Exchange[Result]:
+        if not tensors:
+            return []
+        dtype, device = tensors[0].dtype, tensors[0].device
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, (key, t) in enumerate(zip(keys, tensors)):
+            n, m = matrix_shape(t.shape)
+            groups.setdefault((n, m, powersgd_rank(t.shape, self.level(key))), []).append(i)
+
+        p_flat = torch.empty(
+            sum(len(ix) * n * r for (n, _, r), ix in groups.items()), dtype=dtype, device=device
+        )
+        q_flat = torch.empty(
+            sum(len(ix) * m * r for (_, m, r), ix in groups.items()), dtype=dtype, device=device
+        )
+        plan = []
+        p_off = q_off = 0
+        for (n, m, r), ix in groups.items():
+            b = len(ix)
+            mats = [tensors[i].reshape(n, m) for i in ix]
+            mb = mats[0].unsqueeze(0) if b == 1 else torch.stack(mats)
+            q_prev = torch.stack([self._start_q(keys[i], m, r, dtype, device) for i in ix])
+            seeds = torch.stack([self.initial_q(keys[i], m, r, dtype, device) for i in ix])
+            # A Q column that collapsed to zero would keep P at zero forever: restart it.
+            alive = torch.linalg.vector_norm(q_prev, dim=1, keepdim=True) > 0
+            q_prev = torch.where(alive, q_prev, seeds)
+            p = p_flat[p_off : p_off + b * n * r].view(b, n, r)
+            q = q_flat[q_off : q_off + b * m * r].view(b, m, r)
+            torch.bmm(mb, q_prev, out=p)
+            plan.append((ix, mb, p, q))
+            p_off += b * n * r
+            q_off += b * m * r
+
+        yield [AllReduce(p_flat)]
+        for _, mb, p, q in plan:
+            orthogonalize_(p)
+            torch.bmm(mb.transpose(1, 2), p, out=q)
+
+        yield [AllReduce(q_flat)]
+        q_flat.div_(world_size)
+        results: Result = [None] * len(tensors)  # type: ignore[list-item]
+        for ix, mb, p, q in plan:
+            approx = torch.bmm(p, q.transpose(1, 2))
+            mb.sub_(approx)  # the inputs are ours: M becomes the residual in place
+            for j, i in enumerate(ix):
+                shape = tensors[i].shape
+                results[i] = (approx[j].view(shape), mb[j].view(shape))
+                self._q[keys[i]] = q[j]
+                self._q_level[keys[i]] = self.level(keys[i])
+        return results
+
+    def reset(self, keys: Iterable[Hashable]) -> None:
+        """Drop the warm-start Q of ``keys``; the next exchange redraws it from the seed."""
+        for key in keys:
+            self._q.pop(key, None)
+            self._q_level.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["seed"] = self.seed
+        state["q"] = {key: q.clone() for key, q in self._q.items()}
+        state["q_level"] = dict(self._q_level)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.seed = int(state["seed"])
+        self._q = {key: q.clone() for key, q in state["q"].items()}
+        self._q_level = {key: int(v) for key, v in state["q_level"].items()}
+        self._seed_q.clear()
+
+
+class TopK(Compressor):
+    """Top-k sparsification: per tensor keep the ``floor(fraction * numel)`` (>= 1) entries
+    of largest magnitude, all-gather values and indices, scatter-add and divide by the
+    world size (the average, not the sum). Indices travel as int32 when they fit.
+
+    Args:
+        fraction: default fraction of entries kept, a number in (0, 1].
+    """
+
+    kind = "topk"
+
+    def __init__(self, fraction: float = 0.1):
+        super().__init__(fraction)
+
+    @classmethod
+    def check_level(cls, level: Any) -> float:
+        """A fraction: a real number in (0, 1]."""
+        if isinstance(level, bool) or not isinstance(level, numbers.Real):
+            raise TypeError(f"fraction must be a number in (0, 1], got {level!r}")
+        if not (0.0 < float(level) <= 1.0) or math.isnan(level):
+            raise ValueError(f"fraction must be a number in (0, 1], got {level}")
+        return float(level)
+
+    def exchange(
+        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+    ) -> Exchange[Result]:
+        if not tensors:
+            return []
+        values, indices, counts, numels = [], [], [], []
+        for key, t in zip(keys, tensors):
+            flat = t.view(-1)
+            k = topk_count(flat.numel(), self.level(key))
+            _, idx = torch.topk(flat.abs(), k, sorted=False)
+            values.append(flat[idx])
+            flat[idx] = 0  # what is sent leaves the residual; the input is ours to modify
+            indices.append(idx)
+            counts.append(k)
+            numels.append(flat.numel())
+        index_dtype = torch.int32 if max(numels) <= 2**31 - 1 else torch.int64
+        sent_values = torch.cat(values)
+        sent_indices = torch.cat(indices).to(index_dtype)
+
+        all_values, all_indices = yield [AllGather(sent_values), AllGather(sent_indices)]
+        device = sent_values.device
+        starts = torch.tensor([0, *numels[:-1]], device=device).cumsum(0)
+        offsets = torch.repeat_interleave(starts, torch.tensor(counts, device=device))
+        dense = torch.zeros(sum(numels), dtype=sent_values.dtype, device=device)
+        dense.index_add_(0, (all_indices.long() + offsets).view(-1), all_values.view(-1))
+        dense.div_(world_size)
+        results, offset = [], 0
+        for t in tensors:
+            results.append((dense[offset : offset + t.numel()].view(t.shape), t))
+            offset += t.numel()
+        return results

@@ -1,0 +1,87 @@
+"""Error-feedback memories: what a compressor failed to send is added to the next step.
+
+A memory is keyed by tensor (any hashable key: a parameter name or index). It is kept
+apart from the compressor, as in GRACE, so that any compressor works with any memory,
+and so that a compressor's level can change without touching what was owed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+
+class ErrorFeedback:
+    """Residual memory: ``M = grad + memory`` before compression, ``memory = M - sent`` after.
+
+    ``compensate`` always returns a fresh tensor that the compressor may overwrite.
+    ``update`` takes ownership of the residual it is given (no copy).
+    """
+
+    def __init__(self) -> None:
+        self._memory: dict[Hashable, torch.Tensor] = {}
+
+    def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """Return ``grad + memory[key]`` as a new tensor (a copy of ``grad`` if none yet)."""
+        memory = self._memory.get(key)
+        if memory is None:
+            return grad.detach().clone()
+        if memory.shape != grad.shape:
+            raise ValueError(
+                f"gradient for {key!r} has shape {tuple(grad.shape)} but its error-feedback "
+                f"memory has shape {tuple(memory.shape)}"
+            )
+        return torch.add(grad.detach(), memory)
+
+    def update(self, key: Hashable, residual: torch.Tensor | None) -> None:
+        """Store ``residual`` (the part of ``M`` not sent) for ``key``; ``None`` means zero."""
+        if residual is None:
+            self._memory.pop(key, None)
+        else:
+            self._memory[key] = residual
+
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        """The memory held for ``key``, or ``None`` when it is zero."""
+        return self._memory.get(key)
+
+    def keys(self) -> Iterable[Hashable]:
+        """Keys with a non-zero memory."""
+        return self._memory.keys()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain keys only, readable with ``torch.load(weights_only=True)``."""
+        return {"memory": {key: t.clone() for key, t in self._memory.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore memories saved by :meth:`state_dict`."""
+        if not isinstance(state, Mapping) or "memory" not in state:
+            raise ValueError("state must come from ErrorFeedback.state_dict() (key 'memory')")
+        self._memory = {key: t.clone() for key, t in state["memory"].items()}
+
+
+class NoMemory:
+    """No error feedback: what the compressor drops is lost (for ablations)."""
+
+    def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """Return a copy of ``grad``."""
+        return grad.detach().clone()
+
+    def update(self, key: Hashable, residual: torch.Tensor | None) -> None:
+        """Discard the residual."""
+
+    def get(self, key: Hashable) -> None:
+        """Always ``None``: nothing is remembered."""
+        return None
+
+    def keys(self) -> Iterable[Hashable]:
+        """Always empty."""
+        return ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty state."""
+        return {"memory": {}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Nothing to restore."""

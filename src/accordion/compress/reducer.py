@@ -1,0 +1,109 @@
+"""The reducer: a compressor plus an error-feedback memory, averaging gradients in place."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..accounting import check_world_size, is_compressible
+from .compressors import Compressor, Dense
+from .memory import ErrorFeedback, NoMemory
+from .transport import Exchange, parallel
+
+
+class Reducer:
+    """Averages gradients over workers: tensors with >= 2 dimensions through ``compressor``
+    with error feedback, the others (biases, norm weights) dense.
+
+    ``exchange(keys, grads, world_size)`` is an exchange for a transport (see
+    ``transport.py``). **It changes its input**: each gradient is replaced in place by its
+    averaged (compressed) estimate; the compression error goes to ``memory``.
+
+    Non-finite gradients: when the averaged result holds an inf or NaN (identically on
+    every worker, since it is an all-reduce result), the result is still written back, so
+    that an AMP ``GradScaler`` sees it and skips the optimizer step as it would without
+    compression; but the error-feedback memory is left as it was before the step, the
+    warm-start factors are redrawn from the shared seed, a ``RuntimeWarning`` is issued
+    and ``non_finite_steps`` counts it. One bad step therefore never poisons later ones.
+
+    Args:
+        compressor: a :class:`Compressor` (``Dense()``, ``PowerSGD(rank)``, ``TopK(fraction)``).
+        memory: the error-feedback memory; ``ErrorFeedback()`` by default, ``NoMemory()``
+            to disable it.
+    """
+
+    def __init__(self, compressor: Compressor, memory: ErrorFeedback | NoMemory | None = None):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
+        if memory is None:
+            memory = ErrorFeedback()
+        if not isinstance(memory, ErrorFeedback | NoMemory):
+            raise TypeError(
+                f"memory must be ErrorFeedback, NoMemory or None, got {type(memory).__name__}"
+            )
+        self.compressor = compressor
+        self.memory = memory
+        self._dense = compressor if isinstance(compressor, Dense) else Dense()
+        #: Steps whose averaged result held an inf or NaN.
+        self.non_finite_steps = 0
+
+    def compresses(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` goes through the compressor (rather than dense)."""
+        return self.compressor.kind != "dense" and is_compressible(grad.shape)
+
+    def exchange(
+        self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int
+    ) -> Exchange[bool]:
+        """Average ``grads`` in place; the exchange returns whether the result was finite."""
+        check_world_size(world_size)
+        if len(keys) != len(grads):
+            raise ValueError(f"keys and grads differ in length: {len(keys)} != {len(grads)}")
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys must be unique")
+        for key, g in zip(keys, grads):
+            if not isinstance(g, torch.Tensor):
+                raise TypeError(f"gradient for {key!r} must be a Tensor, got {type(g).__name__}")
+            if not g.is_floating_point():
+                raise TypeError(f"gradient for {key!r} must be floating point, got {g.dtype}")
+
+        # One exchange per (kind, dtype, device): a collective carries a single dtype.
+        parts: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
+        for i, g in enumerate(grads):
+            parts.setdefault((self.compresses(g), g.dtype, g.device), []).append(i)
+        exchanges, order = [], []
+        for (compressed, _, _), ix in parts.items():
+            part_keys = [keys[i] for i in ix]
+            if compressed:
+                inputs = [self.memory.compensate(keys[i], grads[i]) for i in ix]
+                exchanges.append(self.compressor.exchange(part_keys, inputs, world_size))
+            else:
+                inputs = [grads[i].detach() for i in ix]
+                exchanges.append(self._dense.exchange(part_keys, inputs, world_size))
+            order.append((compressed, ix))
+        results = yield from parallel(*exchanges)
+
+        outputs: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
+        residuals: dict[Hashable, torch.Tensor | None] = {}
+        for (compressed, ix), part in zip(order, results):
+            for i, (average, residual) in zip(ix, part):
+                outputs[i] = average
+                if compressed:
+                    residuals[keys[i]] = residual
+        finite = bool(torch.stack([torch.isfinite(o).all() for o in outputs]).all())
+        if finite:
+            for key, residual in residuals.items():
+                self.memory.update(key, residual)
+        elif residuals:
+            self.non_finite_steps += 1
+            self.compressor.reset(residuals)
+            warnings.warn(
+                "non-finite averaged gradient: error-feedback memory left unchanged and "
+                "warm-start factors redrawn for this step",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        for g, out in zip(grads, outputs):
+            g.detach().copy_(out)
+        return finite

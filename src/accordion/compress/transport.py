@@ -1,0 +1,231 @@
+"""Transports: who carries the tensors that a compressor asks to exchange.
+
+A compressor never calls ``torch.distributed`` itself. Its ``exchange`` is a generator
+that *yields phases*: a phase is a list of collectives (:class:`AllReduce`,
+:class:`AllGather`) to run together; the transport runs them and sends back one
+result per collective. This keeps the communication in one place and lets the same
+compressor code run
+
+* across real processes (:class:`TorchTransport`, blocking ``run`` or ``run_async``
+  that chains ``torch.futures`` so that a DDP hook overlaps the backward pass), and
+* across ``N`` simulated workers inside one process (:class:`SimulatedTransport`), so
+  that tests check multi-worker arithmetic without processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ..accounting import allgather_bytes, allreduce_bytes
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Sum ``tensor`` over all workers, in place. The result sent back is the tensor itself."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Gather ``tensor`` (same shape on every worker). The result is a ``[W, *shape]`` tensor."""
+
+    tensor: torch.Tensor
+
+
+Collective = AllReduce | AllGather
+#: The type of a compressor's exchange: yields phases, receives their results, returns T.
+Exchange = Generator[list[Collective], list[Any], T]
+
+
+def collective_bytes(op: Collective, world_size: int) -> float:
+    """Bytes one worker sends for ``op`` under ring algorithms (see ``accordion.accounting``)."""
+    nbytes = op.tensor.numel() * op.tensor.element_size()
+    if isinstance(op, AllReduce):
+        return allreduce_bytes(nbytes, world_size)
+    return allgather_bytes(nbytes, world_size)
+
+
+def parallel(*exchanges: Exchange[Any]) -> Exchange[tuple[Any, ...]]:
+    """Run several exchanges in lockstep, merging their k-th phases into one phase.
+
+    Returns the tuple of their return values. Merging lets, for example, a bucket's
+    dense all-reduce travel in the same phase as PowerSGD's P factors.
+    """
+    results: list[Any] = [None] * len(exchanges)
+    phases: dict[int, list[Collective]] = {}
+    for i, ex in enumerate(exchanges):
+        try:
+            phases[i] = next(ex)
+        except StopIteration as stop:
+            results[i] = stop.value
+    while phases:
+        ops: list[Collective] = []
+        spans = []
+        for i, phase in phases.items():
+            spans.append((i, len(ops), len(phase)))
+            ops.extend(phase)
+        replies = yield ops
+        phases = {}
+        for i, start, count in spans:
+            try:
+                phases[i] = exchanges[i].send(replies[start : start + count])
+            except StopIteration as stop:
+                results[i] = stop.value
+    return tuple(results)
+
+
+class SimulatedTransport:
+    """``world_size`` workers simulated in one process, for tests and quick studies.
+
+    ``run`` takes one exchange per worker (each worker's own compressor state and
+    tensors) and steps them in lockstep, checking that every worker asks for the same
+    collectives with the same shapes, as real processes must.
+    """
+
+    def __init__(self, world_size: int):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        #: Bytes each worker has sent so far (ring algorithms).
+        self.bytes_sent = 0.0
+
+    def run(self, exchanges: Sequence[Exchange[T]]) -> list[T]:
+        """Run one exchange per worker to completion and return their results."""
+        if len(exchanges) != self.world_size:
+            raise ValueError(
+                f"exchanges must hold one exchange per worker ({self.world_size}), "
+                f"got {len(exchanges)}"
+            )
+        results: list[Any] = [None] * self.world_size
+        phases = []
+        for ex in exchanges:
+            try:
+                phases.append(next(ex))
+            except StopIteration as stop:
+                phases.append(None)
+                results[len(phases) - 1] = stop.value
+        while any(p is not None for p in phases):
+            if any(p is None for p in phases):
+                raise RuntimeError("workers disagree on the number of communication phases")
+            replies = self._execute(phases)
+            for w, ex in enumerate(exchanges):
+                try:
+                    phases[w] = ex.send(replies[w])
+                except StopIteration as stop:
+                    phases[w] = None
+                    results[w] = stop.value
+        return results
+
+    def _execute(self, phases: list[list[Collective]]) -> list[list[Any]]:
+        count = len(phases[0])
+        if any(len(p) != count for p in phases):
+            raise RuntimeError("workers disagree on the number of collectives in a phase")
+        replies: list[list[Any]] = [[] for _ in phases]
+        for j in range(count):
+            ops = [p[j] for p in phases]
+            kind, shape = type(ops[0]), ops[0].tensor.shape
+            if any(type(op) is not kind or op.tensor.shape != shape for op in ops):
+                raise RuntimeError(
+                    f"workers disagree on collective {j}: "
+                    f"{[(type(op).__name__, tuple(op.tensor.shape)) for op in ops]}"
+                )
+            self.bytes_sent += collective_bytes(ops[0], self.world_size)
+            if kind is AllReduce:
+                total = torch.stack([op.tensor for op in ops]).sum(dim=0)
+                for w, op in enumerate(ops):
+                    op.tensor.copy_(total)
+                    replies[w].append(op.tensor)
+            else:
+                gathered = torch.stack([op.tensor for op in ops])
+                for w in range(self.world_size):
+                    replies[w].append(gathered.clone())
+        return replies
+
+
+class TorchTransport:
+    """Runs exchanges over a real ``torch.distributed`` process group (gloo or NCCL)."""
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchTransport needs an initialised default process group: "
+                "call torch.distributed.init_process_group first"
+            )
+        self._dist = dist
+        # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        #: Bytes this worker has sent so far (ring algorithms).
+        self.bytes_sent = 0.0
+
+    def _issue(self, op: Collective) -> tuple[torch.futures.Future, Callable[[], Any]]:
+        dist = self._dist
+        self.bytes_sent += collective_bytes(op, self.world_size)
+        if isinstance(op, AllReduce):
+            work = dist.all_reduce(op.tensor, group=self.group, async_op=True)
+            return work.get_future(), lambda: op.tensor
+        # A flat output is what both the old and the new name of this collective accept.
+        flat = op.tensor.new_empty(self.world_size * op.tensor.numel())
+        work = self._all_gather(flat, op.tensor, group=self.group, async_op=True)
+        return work.get_future(), lambda: flat.view(self.world_size, *op.tensor.shape)
+
+    def run(self, exchange: Exchange[T]) -> T:
+        """Run an exchange to completion, blocking, and return its result."""
+        reply = None
+        while True:
+            try:
+                phase = exchange.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            issued = [self._issue(op) for op in phase]
+            for fut, _ in issued:
+                fut.wait()
+            reply = [result() for _, result in issued]
+
+    def run_async(self, exchange: Exchange[T]) -> torch.futures.Future:
+        """Start an exchange and return a future of its result.
+
+        Each phase's collectives are issued asynchronously and the next phase runs in
+        their completion callback, so nothing blocks the caller (a DDP hook's backward).
+        """
+        done: torch.futures.Future = torch.futures.Future()
+
+        def advance(reply: Any) -> None:
+            try:
+                phase = exchange.send(reply)
+            except StopIteration as stop:
+                done.set_result(stop.value)
+                return
+            except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+                done.set_exception(exc)
+                return
+            try:
+                issued = [self._issue(op) for op in phase]
+            except BaseException as exc:  # noqa: BLE001
+                done.set_exception(exc)
+                return
+
+            def on_phase_done(fut: torch.futures.Future) -> None:
+                try:
+                    for each in fut.wait():
+                        each.wait()  # raises the collective's error, if any
+                    reply = [result() for _, result in issued]
+                except BaseException as exc:  # noqa: BLE001
+                    done.set_exception(exc)
+                    return
+                advance(reply)
+
+            torch.futures.collect_all([f for f, _ in issued]).then(on_phase_done)
+
+        advance(None)
+        return done

@@ -1,0 +1,120 @@
+"""What a compressor would send for a model, before any training: the ``accordion plan``.
+
+For each level (and for dense), from the parameter shapes alone: paper-convention floats
+per step and over a run, real bytes per step, the compression ratio and the
+communication time per step predicted by the alpha-beta model. The time assumes the
+gradients travel as one bucket the way our reducer sends it: one all-reduce of all the
+dense tensors, plus for PowerSGD one all-reduce of all P factors and one of all Q
+factors, or for top-k one all-gather of values and one of indices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .accounting import (
+    check_world_size,
+    effective_kind,
+    index_bytes,
+    matrix_shape,
+    paper_floats,
+    powersgd_rank,
+    topk_count,
+    wire_bytes,
+)
+from .costmodel import allgather_time, allreduce_time
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One level of a plan. Floats follow the paper's convention; bytes are per worker."""
+
+    label: str
+    compressor: str
+    level: Any
+    floats_per_step: int
+    floats_total: int
+    bytes_per_step: float
+    compression_ratio: float
+    comm_time_per_step_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the row."""
+        return asdict(self)
+
+
+def comm_time_per_step(
+    shapes: Sequence[Sequence[int]],
+    kind: str,
+    level: Any,
+    world_size: int,
+    bandwidth: float,
+    latency: float,
+    element_size: int = 4,
+) -> float:
+    """Predicted seconds of communication per step for one bucket of these tensors."""
+    dense_elems = powersgd_p = powersgd_q = topk_values = topk_index_bytes = 0
+    for shape in shapes:
+        k = effective_kind(shape, kind)
+        if k == "dense":
+            dense_elems += math.prod(shape)
+        elif k == "powersgd":
+            n, m = matrix_shape(shape)
+            r = powersgd_rank(shape, level)
+            powersgd_p += n * r
+            powersgd_q += m * r
+        else:
+            count = topk_count(math.prod(shape), level)
+            topk_values += count
+            topk_index_bytes += count * index_bytes(math.prod(shape))
+    time = 0.0
+    for elems in (dense_elems, powersgd_p, powersgd_q):
+        time += allreduce_time(elems * element_size, world_size, bandwidth, latency)
+    time += allgather_time(topk_values * element_size, world_size, bandwidth, latency)
+    time += allgather_time(topk_index_bytes, world_size, bandwidth, latency)
+    return time
+
+
+def make_plan(
+    shapes: Sequence[Sequence[int]],
+    compressor: str,
+    levels: Sequence[Any],
+    world_size: int,
+    steps: int,
+    bandwidth: float,
+    latency: float,
+    element_size: int = 4,
+) -> list[PlanRow]:
+    """Rows for dense and for each of ``levels`` of ``compressor`` ("powersgd" or "topk")."""
+    check_world_size(world_size)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if compressor not in ("powersgd", "topk"):
+        raise ValueError(f"compressor must be 'powersgd' or 'topk', got {compressor!r}")
+
+    def row(label: str, kind: str, level: Any, dense_floats: int) -> PlanRow:
+        floats = sum(paper_floats(s, kind, level, world_size) for s in shapes)
+        return PlanRow(
+            label=label,
+            compressor=kind,
+            level=level,
+            floats_per_step=floats,
+            floats_total=floats * steps,
+            bytes_per_step=sum(
+                wire_bytes(s, kind, level, world_size, element_size) for s in shapes
+            ),
+            compression_ratio=dense_floats / floats if floats else math.inf,
+            comm_time_per_step_s=comm_time_per_step(
+                shapes, kind, level, world_size, bandwidth, latency, element_size
+            ),
+        )
+
+    dense_floats = sum(paper_floats(s, "dense", None, world_size) for s in shapes)
+    rows = [row("dense", "dense", None, dense_floats)]
+    for level in levels:
+        label = f"rank {level}" if compressor == "powersgd" else f"top-k {level:g}"
+        rows.append(row(label, compressor, level, dense_floats))
+    return rows

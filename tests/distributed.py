@@ -1,0 +1,53 @@
+"""Launch real ``torch.distributed`` worker processes for tests, with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        # gloo on torch 2.13 may abort at exit without a barrier before teardown
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+
+    ``fn`` must be a module-level function. Raises if a worker fails, and kills the
+    workers and raises ``TimeoutError`` if they have not finished after ``timeout`` s,
+    so that a hang fails fast.
+    """
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"distributed workers did not finish within {timeout} s")
