@@ -98,6 +98,33 @@ def test_powersgd_rank_change_redraws_q_from_the_shared_seed():
     torch.testing.assert_close(captured[0], expected_p.reshape(-1))
 
 
+def test_powersgd_reuse_policy_keeps_leading_q_columns_when_the_rank_shrinks():
+    comp = PowerSGD(4, on_rank_change="reuse")
+    run_workers([Reducer(comp)], ["w"], [[torch.randn(8, 6)]])
+    q4 = comp._q["w"].clone()
+    comp.set_level(1)
+    m = torch.randn(8, 6)
+    phase = next(comp.exchange(["w"], [m.clone()], 1))
+    torch.testing.assert_close(phase[0].tensor, (m @ q4[:, :1]).reshape(-1))
+
+
+def test_powersgd_reuse_policy_appends_seed_columns_when_the_rank_grows():
+    comp = PowerSGD(1, on_rank_change="reuse")
+    run_workers([Reducer(comp)], ["w"], [[torch.randn(8, 6)]])
+    q1 = comp._q["w"].clone()
+    comp.set_level(3)
+    m = torch.randn(8, 6)
+    seed_q = comp.initial_q("w", 6, 3, torch.float32, torch.device("cpu"))
+    expected = m @ torch.cat([q1, seed_q[:, 1:]], dim=1)
+    phase = next(comp.exchange(["w"], [m.clone()], 1))
+    torch.testing.assert_close(phase[0].tensor, expected.reshape(-1))
+
+
+def test_powersgd_rejects_an_unknown_rank_change_policy():
+    with pytest.raises(ValueError, match="on_rank_change"):
+        PowerSGD(2, on_rank_change="keep")
+
+
 def test_powersgd_rank_is_clamped_to_the_matrix_shape():
     comp = PowerSGD(8)
     reducer = Reducer(comp)

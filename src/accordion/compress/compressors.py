@@ -162,22 +162,32 @@ class PowerSGD(Compressor):
     step and initially drawn from ``seed`` and the tensor's key, identically on every
     worker (P is summed, so Q must agree everywhere). Tensors with the same ``(n, m, r')``
     go through one batched matmul, and all P (then all Q) factors of a call travel in one
-    all-reduce. Changing a tensor's rank redraws its Q from the shared seed; the
-    error-feedback memory is kept. A Q column that became exactly zero (a zero
+    all-reduce. A rank change rebuilds Q as ``on_rank_change`` says; the error-feedback
+    memory is kept. A Q column that became exactly zero (a zero
     gradient) is redrawn too, so that compression does not stall at zero forever.
 
     Args:
         rank: default rank, an int >= 1.
         seed: seed shared by all workers for the initial Q factors.
+        on_rank_change: what a rank change does to the warm-start Q. ``"redraw"`` (the
+            paper's scripts): draw a new Q from the shared seed. ``"reuse"``: keep the
+            leading columns when the rank shrinks, append fresh shared-seed columns when
+            it grows.
     """
 
     kind = "powersgd"
+    RANK_CHANGE_POLICIES = ("redraw", "reuse")
 
-    def __init__(self, rank: int = 2, seed: int = 0):
+    def __init__(self, rank: int = 2, seed: int = 0, on_rank_change: str = "redraw"):
         super().__init__(rank)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if on_rank_change not in self.RANK_CHANGE_POLICIES:
+            raise ValueError(
+                f"on_rank_change must be one of {self.RANK_CHANGE_POLICIES}, got {on_rank_change!r}"
+            )
         self.seed = seed
+        self.on_rank_change = on_rank_change
         self._q: dict[Hashable, torch.Tensor] = {}
         self._q_level: dict[Hashable, int] = {}
         self._seed_q: dict[tuple[Hashable, int, int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -209,9 +219,16 @@ class PowerSGD(Compressor):
 
     def _start_q(self, key: Hashable, m: int, r: int, dtype, device) -> torch.Tensor:
         q = self._q.get(key)
-        if q is None or self._q_level.get(key) != self.level(key) or q.shape != (m, r):
+        if q is None or q.shape[0] != m or q.dtype != dtype or q.device != device:
             return self.initial_q(key, m, r, dtype, device)
-        return q
+        if self._q_level.get(key) == self.level(key) and q.shape[1] == r:
+            return q
+        if self.on_rank_change == "redraw":
+            return self.initial_q(key, m, r, dtype, device)
+        if q.shape[1] >= r:  # shrink: the leading columns are the best-converged directions
+            return q[:, :r]
+        fresh = self.initial_q(key, m, r, dtype, device)[:, q.shape[1] :]
+        return torch.cat([q, fresh], dim=1)
 
     def exchange(
         self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
@@ -275,6 +292,7 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["seed"] = self.seed
+        state["on_rank_change"] = self.on_rank_change
         state["q"] = {key: q.clone() for key, q in self._q.items()}
         state["q_level"] = dict(self._q_level)
         return state
@@ -282,6 +300,7 @@ class PowerSGD(Compressor):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.seed = int(state["seed"])
+        self.on_rank_change = state.get("on_rank_change", self.on_rank_change)
         self._q = {key: q.clone() for key, q in state["q"].items()}
         self._q_level = {key: int(v) for key, v in state["q_level"].items()}
         self._seed_q.clear()
