@@ -17,6 +17,7 @@ Everything here is pure arithmetic on shapes: no tensors, no ``torch.distributed
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,24 @@ def check_world_size(world_size: int) -> int:
     if world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size}")
     return world_size
+
+
+def check_rank(rank: Any) -> int:
+    """Validate a PowerSGD rank (an int >= 1, not a bool) and return it as an int."""
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"rank must be an int >= 1, got {rank!r}")
+    if rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank}")
+    return int(rank)
+
+
+def check_fraction(fraction: Any) -> float:
+    """Validate a top-k fraction (a real number in (0, 1]) and return it as a float."""
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    if math.isnan(fraction) or not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction}")
+    return float(fraction)
 
 
 def is_compressible(shape: Sequence[int]) -> bool:
@@ -111,8 +130,8 @@ def paper_floats(shape: Sequence[int], kind: str, level: Any, world_size: int) -
         return numel
     if kind == "powersgd":
         n, m = matrix_shape(dims)
-        return (n + m) * powersgd_rank(dims, level)
-    return 2 * topk_count(numel, level) * world_size
+        return (n + m) * powersgd_rank(dims, check_rank(level))
+    return 2 * topk_count(numel, check_fraction(level)) * world_size
 
 
 def wire_bytes(
@@ -131,8 +150,9 @@ def wire_bytes(
         return allreduce_bytes(numel * element_size, world_size)
     if kind == "powersgd":
         n, m = matrix_shape(dims)
-        return allreduce_bytes((n + m) * powersgd_rank(dims, level) * element_size, world_size)
-    k = topk_count(numel, level)
+        rank = powersgd_rank(dims, check_rank(level))
+        return allreduce_bytes((n + m) * rank * element_size, world_size)
+    k = topk_count(numel, check_fraction(level))
     return allgather_bytes(k * (element_size + index_bytes(numel)), world_size)
 
 
@@ -169,9 +189,12 @@ class Ledger:
         """Add ``steps`` steps of tensor ``name`` sent with ``kind`` at ``level``."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        # both costs first: a rejected record must leave the ledger unchanged
+        floats = paper_floats(shape, kind, level, world_size)
+        nbytes = wire_bytes(shape, kind, level, world_size, element_size)
         totals = self.layers.setdefault(str(name), LayerTotals())
-        totals.floats += steps * paper_floats(shape, kind, level, world_size)
-        totals.bytes += steps * wire_bytes(shape, kind, level, world_size, element_size)
+        totals.floats += steps * floats
+        totals.bytes += steps * nbytes
         totals.steps += steps
 
     def record_all(
@@ -208,9 +231,16 @@ class Ledger:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore totals saved by :meth:`state_dict`."""
-        if not isinstance(state, Mapping) or "layers" not in state:
-            raise ValueError("state must be a dict from Ledger.state_dict() with key 'layers'")
+        layers = state.get("layers") if isinstance(state, Mapping) else None
+        if not isinstance(layers, Mapping) or not all(
+            isinstance(v, Mapping) and {"floats", "bytes", "steps"} <= v.keys()
+            for v in layers.values()
+        ):
+            raise ValueError(
+                "state must be a dict from Ledger.state_dict(): "
+                "{'layers': {name: {'floats', 'bytes', 'steps'}}}"
+            )
         self.layers = {
             name: LayerTotals(int(v["floats"]), float(v["bytes"]), int(v["steps"]))
-            for name, v in state["layers"].items()
+            for name, v in layers.items()
         }

@@ -14,35 +14,46 @@ from __future__ import annotations
 import math
 import re
 
-_BANDWIDTH_UNITS = {
-    # bits per second, SI prefixes (as `tc` and network vendors use them)
-    "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
-    "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
-    # bytes per second
-    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-}  # fmt: skip
+from .accounting import check_world_size
+
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BANDWIDTH_HELP = (
+    "a number with a unit: bit, kbit, mbit, gbit, tbit (bits/s, any case); "
+    "b/s or bps with a lowercase b for bits/s and B/s or Bps with an uppercase B for bytes/s, "
+    "after a prefix k, M, G or T; for example '10Gbit', '100Mb/s', '1.25GB/s'"
+)
 _LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
-def parse_bandwidth(text: str) -> float:
-    """Parse a link rate such as ``"10Gbit"``, ``"100mbit"`` or ``"1.25GB/s"`` into bytes/s.
+def _bandwidth_scale(unit: str) -> float | None:
+    """Bytes/s per unit of ``unit``, or ``None`` when it is not a known unit."""
+    lower = unit.lower()
+    if lower.endswith("bit"):
+        prefix, per_unit = lower[:-3], 1 / 8
+    elif lower.endswith(("b/s", "bps")):
+        # the case of the b decides: Gb/s and Gbps are gigabits, GB/s and GBps gigabytes
+        prefix, per_unit = lower[:-3], (1.0 if unit[-3] == "B" else 1 / 8)
+    else:
+        return None
+    return _PREFIXES[prefix] * per_unit if prefix in _PREFIXES else None
 
-    ``bit``/``kbit``/``mbit``/``gbit``/``tbit`` (and ``...bps``) are bits per second with SI
-    prefixes; ``B/s``, ``KB/s``, ``MB/s``, ``GB/s``, ``TB/s`` are bytes per second.
+
+def parse_bandwidth(text: str) -> float:
+    """Parse a link rate such as ``"10Gbit"``, ``"100Mb/s"`` or ``"1.25GB/s"`` into bytes/s.
+
+    ``bit`` units are bits per second whatever their case; in ``b/s`` and ``bps`` units a
+    lowercase ``b`` means bits and an uppercase ``B`` bytes. Prefixes are SI (k, M, G, T).
     """
     if not isinstance(text, str):
-        raise TypeError(f"bandwidth must be a str such as '10Gbit', got {text!r}")
+        raise TypeError(f"bandwidth must be a str, {_BANDWIDTH_HELP}; got {text!r}")
     match = _QUANTITY.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BANDWIDTH_UNITS:
-        raise ValueError(
-            f"bandwidth must be a number with a unit in {sorted(_BANDWIDTH_UNITS)} "
-            f"(case-insensitive), such as '10Gbit', got {text!r}"
-        )
-    value = float(match.group(1)) * _BANDWIDTH_UNITS[unit]
+    scale = _bandwidth_scale(match.group(2)) if match else None
+    if match is None or scale is None:
+        raise ValueError(f"bandwidth must be {_BANDWIDTH_HELP}; got {text!r}")
+    value = float(match.group(1)) * scale
     if not value > 0 or math.isinf(value):
-        raise ValueError(f"bandwidth must be positive and finite, got {text!r}")
+        raise ValueError(f"bandwidth must be positive and finite, {_BANDWIDTH_HELP}; got {text!r}")
     return value
 
 
@@ -66,8 +77,7 @@ def parse_latency(text: str) -> float:
 
 
 def _check(world_size: int, bandwidth: float, latency: float) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_world_size(world_size)
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
     if not latency >= 0:

@@ -16,8 +16,6 @@ warm-start state; error-feedback memory lives in ``memory.py``.
 
 from __future__ import annotations
 
-import math
-import numbers
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -25,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..accounting import matrix_shape, powersgd_rank, topk_count
+from ..accounting import check_fraction, check_rank, matrix_shape, powersgd_rank, topk_count
 from .transport import AllGather, AllReduce, Exchange
 
 Result = list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -195,11 +193,7 @@ class PowerSGD(Compressor):
     @classmethod
     def check_level(cls, level: Any) -> int:
         """A rank: an int >= 1."""
-        if isinstance(level, bool) or not isinstance(level, numbers.Integral):
-            raise TypeError(f"rank must be an int >= 1, got {level!r}")
-        if level < 1:
-            raise ValueError(f"rank must be an int >= 1, got {level}")
-        return int(level)
+        return check_rank(level)
 
     def initial_q(
         self, key: Hashable, m: int, r: int, dtype: torch.dtype, device: torch.device
@@ -323,11 +317,7 @@ class TopK(Compressor):
     @classmethod
     def check_level(cls, level: Any) -> float:
         """A fraction: a real number in (0, 1]."""
-        if isinstance(level, bool) or not isinstance(level, numbers.Real):
-            raise TypeError(f"fraction must be a number in (0, 1], got {level!r}")
-        if not (0.0 < float(level) <= 1.0) or math.isnan(level):
-            raise ValueError(f"fraction must be a number in (0, 1], got {level}")
-        return float(level)
+        return check_fraction(level)
 
     def exchange(
         self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
