@@ -192,6 +192,11 @@ class Ledger:
         # both costs first: a rejected record must leave the ledger unchanged
         floats = paper_floats(shape, kind, level, world_size)
         nbytes = wire_bytes(shape, kind, level, world_size, element_size)
+        self.add(name, floats, nbytes, steps)
+
+    def add(self, name: str, floats: int, nbytes: float, steps: int = 1) -> None:
+        """Add ``steps`` steps of a tensor whose per-step cost is already known
+        (``floats`` paper-convention floats and ``nbytes`` wire bytes per step)."""
         totals = self.layers.setdefault(str(name), LayerTotals())
         totals.floats += steps * floats
         totals.bytes += steps * nbytes

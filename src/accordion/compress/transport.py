@@ -14,6 +14,8 @@ compressor code run
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -167,6 +169,9 @@ class TorchTransport:
         self.world_size = dist.get_world_size(group)
         #: Bytes this worker has sent so far (ring algorithms).
         self.bytes_sent = 0.0
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Exchange[Any], torch.futures.Future]] = deque()
+        self._busy = False
 
     def _issue(self, op: Collective) -> tuple[torch.futures.Future, Callable[[], Any]]:
         dist = self._dist
@@ -180,39 +185,56 @@ class TorchTransport:
         return work.get_future(), lambda: flat.view(self.world_size, *op.tensor.shape)
 
     def run(self, exchange: Exchange[T]) -> T:
-        """Run an exchange to completion, blocking, and return its result."""
-        reply = None
-        while True:
-            try:
-                phase = exchange.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            issued = [self._issue(op) for op in phase]
-            for fut, _ in issued:
-                fut.wait()
-            reply = [result() for _, result in issued]
+        """Run an exchange to completion, blocking, and return its result.
+
+        It waits its turn behind exchanges already started with :meth:`run_async`.
+        """
+        return self.run_async(exchange).wait()
 
     def run_async(self, exchange: Exchange[T]) -> torch.futures.Future:
         """Start an exchange and return a future of its result.
 
         Each phase's collectives are issued asynchronously and the next phase runs in
         their completion callback, so nothing blocks the caller (a DDP hook's backward).
+        Exchanges run one after another in the order they were started: callbacks fire
+        at different times on different ranks, and collectives issued from them in a
+        free order would pair up wrongly across ranks (gloo and NCCL match collectives
+        by issue order).
         """
         done: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._queue.append((exchange, done))
+            if self._busy:
+                return done
+            self._busy = True
+        self._start_next()
+        return done
+
+    def _start_next(self) -> None:
+        with self._lock:
+            if not self._queue:
+                self._busy = False
+                return
+            exchange, done = self._queue.popleft()
+        self._drive(exchange, done)
+
+    def _drive(self, exchange: Exchange[Any], done: torch.futures.Future) -> None:
+        def finish(value: Any = None, error: BaseException | None = None) -> None:
+            self._start_next()  # keep the link busy before running the caller's callbacks
+            if error is None:
+                done.set_result(value)
+            else:
+                done.set_exception(error)
 
         def advance(reply: Any) -> None:
             try:
                 phase = exchange.send(reply)
+                issued = [self._issue(op) for op in phase]
             except StopIteration as stop:
-                done.set_result(stop.value)
+                finish(stop.value)
                 return
             except BaseException as exc:  # noqa: BLE001 - surfaced through the future
-                done.set_exception(exc)
-                return
-            try:
-                issued = [self._issue(op) for op in phase]
-            except BaseException as exc:  # noqa: BLE001
-                done.set_exception(exc)
+                finish(error=exc)
                 return
 
             def on_phase_done(fut: torch.futures.Future) -> None:
@@ -221,11 +243,10 @@ class TorchTransport:
                         each.wait()  # raises the collective's error, if any
                     reply = [result() for _, result in issued]
                 except BaseException as exc:  # noqa: BLE001
-                    done.set_exception(exc)
+                    finish(error=exc)
                     return
                 advance(reply)
 
             torch.futures.collect_all([f for f, _ in issued]).then(on_phase_done)
 
         advance(None)
-        return done
