@@ -1,0 +1,191 @@
+"""AccordionState in one process (no process group): validation, decisions, stats, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from accordion.accounting import paper_floats
+from accordion.ddp import AccordionState
+
+
+def make_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def step(net, state, scale: float = 1.0, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    net.zero_grad()
+    (scale * net(torch.randn(5, 8, generator=gen))).pow(2).sum().backward()
+    state.reduce_gradients()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"compressor": "qsgd"}, "compressor must be one of"),
+        ({"compressor": "powersgd", "mild": 1, "aggressive": 2}, "aggressive must compress"),
+        ({"compressor": "topk", "mild": 0.1, "aggressive": 0.5}, "aggressive must compress"),
+        ({"compressor": "powersgd", "mild": 0}, "rank must be an int >= 1"),
+        ({"compressor": "topk", "mild": 1.5}, r"fraction must be a number in \(0, 1\]"),
+        ({"statistic": "median"}, "statistic must be one of"),
+        ({"interval_unit": "hour"}, "interval_unit must be one of"),
+        ({"interval": 0}, "interval"),
+        ({"eta": -1.0}, "eta"),
+        ({"on_rank_change": "keep"}, "on_rank_change"),
+    ],
+)
+def test_state_rejects_bad_arguments_with_a_clear_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AccordionState(make_net(), **kwargs)
+
+
+def test_state_rejects_a_model_that_is_not_a_module():
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        AccordionState("resnet18")
+
+
+def test_reduce_gradients_needs_parameters_when_no_module_is_bound():
+    with pytest.raises(ValueError, match="parameters must be given"):
+        AccordionState(None).reduce_gradients()
+
+
+def test_training_starts_at_the_mild_level_for_compressed_parameters_only():
+    state = AccordionState(make_net(), "powersgd", mild=4, aggressive=1)
+    assert state.levels() == {"0.weight": 4, "2.weight": 4}
+
+
+def test_stats_count_paper_floats_per_step_and_are_json_serialisable():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1)
+    for i in range(3):
+        step(net, state, seed=i)
+    stats = json.loads(json.dumps(state.stats()))
+    assert stats["layers"]["0.weight"]["floats"] == 3 * paper_floats((16, 8), "powersgd", 2, 1)
+    assert stats["layers"]["0.bias"]["floats"] == 3 * 16
+    assert stats["layers"]["0.bias"]["level"] is None
+    assert stats["total_floats"] == sum(v["floats"] for v in stats["layers"].values())
+
+
+def test_a_learning_rate_decay_makes_every_layer_mild_until_the_next_check():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, eta=10.0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for epoch in range(3):
+        step(net, state, seed=epoch)
+        state.end_epoch(optimizer)
+    assert set(state.levels().values()) == {1}  # eta=10: the check at epoch 2 was calm
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01
+    step(net, state, seed=3)
+    decisions = state.end_epoch(optimizer)
+    assert all(decisions.values())
+    assert set(state.levels().values()) == {4}
+
+
+def test_an_explicit_next_lr_detects_a_decay_like_the_optimizer_does():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, eta=10.0)
+    for epoch, lr in enumerate([0.1, 0.1, 0.1, 0.01]):
+        step(net, state, seed=epoch)
+        state.end_epoch(next_lr=lr)
+    assert set(state.levels().values()) == {4}
+
+
+def test_a_calm_check_switches_layers_to_the_aggressive_level():
+    net = make_net()
+    state = AccordionState(net, "topk", mild=0.9, aggressive=0.1, interval=1, eta=10.0)
+    step(net, state)
+    state.end_epoch(next_lr=0.1)
+    assert set(state.levels().values()) == {0.9}  # epoch 0: critical
+    step(net, state)
+    state.end_epoch(next_lr=0.1)
+    assert set(state.levels().values()) == {0.1}
+
+
+def test_a_sharp_change_of_the_gradient_norm_keeps_a_layer_mild():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=1, eta=0.5)
+    step(net, state, scale=1.0)
+    state.end_epoch(next_lr=0.1)
+    step(net, state, scale=10.0)  # the gradient norm grows ~100x
+    decisions = state.end_epoch(next_lr=0.1)
+    assert decisions == {"0.weight": True, "2.weight": True}
+    assert state.stats()["checks"][-1]["layers"]["0.weight"]["ratio"] > 0.5
+
+
+def test_step_intervals_decide_at_the_end_of_each_window():
+    net = make_net()
+    state = AccordionState(
+        net, "powersgd", mild=2, aggressive=1, interval=3, eta=10.0, interval_unit="step"
+    )
+    results = []
+    for i in range(6):
+        step(net, state, seed=i)
+        results.append(state.end_step(next_lr=0.1))
+    assert [r is not None for r in results] == [False, False, True, False, False, True]
+    assert set(state.levels().values()) == {1}
+
+
+def test_a_decay_inside_a_step_window_makes_layers_mild_at_once():
+    net = make_net()
+    state = AccordionState(
+        net, "powersgd", mild=2, aggressive=1, interval=2, eta=10.0, interval_unit="step"
+    )
+    for i in range(4):
+        step(net, state, seed=i)
+        state.end_step(next_lr=0.1)
+    assert set(state.levels().values()) == {1}
+    step(net, state, seed=4)
+    state.end_step(next_lr=0.01)  # mid-window
+    assert set(state.levels().values()) == {2}
+
+
+def test_end_epoch_and_end_step_refuse_the_other_interval_unit():
+    with pytest.raises(ValueError, match="interval_unit='epoch'"):
+        AccordionState(make_net(), interval_unit="step").end_epoch()
+    with pytest.raises(ValueError, match="interval_unit='step'"):
+        AccordionState(make_net()).end_step()
+
+
+def test_state_dict_round_trips_through_a_weights_only_load(tmp_path):
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=1)
+    for epoch in range(3):
+        step(net, state, seed=epoch)
+        state.end_epoch(next_lr=0.1)
+    torch.save(state.state_dict(), tmp_path / "accordion-rank0.pt")
+    other = AccordionState(make_net(), "powersgd", mild=2, aggressive=1, interval=1)
+    other.load_state_dict(torch.load(tmp_path / "accordion-rank0.pt", weights_only=True))
+    assert other.levels() == state.levels()
+    assert other.epoch == 3
+    assert other.stats() == state.stats()
+
+
+def _saved(compressor="powersgd", **kwargs):
+    net = make_net()
+    state = AccordionState(net, compressor, **kwargs)
+    step(net, state)
+    return state.state_dict()
+
+
+def test_loading_a_state_from_another_world_size_is_an_error():
+    saved = _saved()
+    saved["world_size"] = 4
+    with pytest.raises(ValueError, match="world size 4"):
+        AccordionState(make_net()).load_state_dict(saved)
+
+
+def test_loading_a_state_of_another_compressor_is_an_error():
+    with pytest.raises(ValueError, match="compressor"):
+        AccordionState(make_net(), "topk").load_state_dict(_saved("powersgd"))
+
+
+def test_loading_a_state_of_another_model_is_an_error():
+    other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    with pytest.raises(ValueError, match="does not match the model"):
+        AccordionState(other).load_state_dict(_saved())
