@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .compress import PowerSGD, TopK
@@ -157,6 +160,129 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``train`` and ``compare``; None means "from the preset or default"."""
+    add = parser.add_argument
+    add("--preset", default=None, help="a named configuration of the paper's runs (GPU scale)")
+    add("--task", default=None, help="mnist1d (default), cifar10, cifar100, wikitext2, synthetic")
+    add("--data-dir", default=None, help="directory of the CIFAR / WikiText-2 files")
+    add("--model", default=None, help="model name (default: the task's)")
+    add("--epochs", type=int, default=None, help="epochs (default 60)")
+    add("--batch-size", type=int, default=None, help="global batch over all workers (default 128)")
+    add("--lr", type=float, default=None, help="peak learning rate (default 0.1)")
+    add("--warmup-epochs", type=float, default=None, help="linear warm-up epochs (default 2)")
+    add("--warmup-start-lr", type=float, default=None, help="warm-up start (default lr/10)")
+    add("--decay-epochs", default=None, help="comma-separated epochs of lr decays (default 30,45)")
+    add("--decay-factor", type=float, default=None, help="lr factor at each decay (default 0.1)")
+    add("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
+    add("--weight-decay", type=float, default=None, help="weight decay (default 1e-4)")
+    add("--interval", type=int, default=None, help="Accordion check interval, epochs (default 10)")
+    add("--eta", type=float, default=None, help="Accordion threshold (default 0.5)")
+    add("--statistic", default=None, help="rank0 (default, the paper) or mean")
+    add("--seed", type=int, default=None, help="seed (default 0)")
+    add("--train-samples", type=int, default=None, help="training samples used (task default)")
+    add("--test-samples", type=int, default=None, help="test samples used (task default)")
+    add("--bptt", type=int, default=None, help="LSTM truncated-BPTT length (default 30)")
+    add("--clip", type=float, default=None, help="gradient-norm clipping (LSTM preset: 0.4)")
+    add(
+        "--threads", type=int, default=None, help="torch threads per worker (default cores/workers)"
+    )
+    add("--workers", type=int, default=1, help="local worker processes (ignored under torchrun)")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from .harness.launch import default_threads
+    from .harness.train import PRESETS, TrainConfig
+
+    values: dict[str, Any] = {}
+    if args.preset is not None:
+        if args.preset not in PRESETS:
+            parser.error(
+                f"argument --preset: must be one of {', '.join(PRESETS)}, got {args.preset!r}"
+            )
+        values.update(PRESETS[args.preset])
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    if isinstance(values.get("decay_epochs"), str):
+        try:
+            text = values["decay_epochs"]
+            values["decay_epochs"] = tuple(int(e) for e in text.split(",") if e.strip())
+        except ValueError:
+            parser.error(f"argument --decay-epochs: must be comma-separated ints, got {text!r}")
+    values["progress"] = not args.no_progress
+    if values.get("threads") is None:
+        values["threads"] = default_threads(args.workers)
+    config = TrainConfig(**values)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    from .harness.data import TASKS
+
+    if config.task not in TASKS:
+        parser.error(f"argument --task: must be one of {', '.join(TASKS)}, got {config.task!r}")
+    if args.workers < 1:
+        parser.error(f"argument --workers: must be an int >= 1, got {args.workers}")
+    return config
+
+
+def _train_worker(rank, world, local_rank, config):
+    from .harness.train import train_run
+
+    return train_run(config, rank, world, local_rank).as_dict()
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    from .harness.launch import run_distributed
+
+    config = _make_config(args, args.parser)
+    config.strategy = args.strategy
+    try:
+        config.validate()
+    except ValueError as exc:
+        args.parser.error(f"argument --strategy: {exc}")
+    config.out = args.out
+    result = run_distributed(_train_worker, args.workers, config)
+    last = result["epochs"][-1]
+    print(
+        f"{config.strategy}: test {last['test_metric']:.2f} after {config.epochs} epochs, "
+        f"{last['floats'] / 1e6:,.1f} M floats sent per worker, "
+        f"training loop {last['train_time_s']:.1f} s"
+        + (f"; logs in {args.out}" if args.out else "")
+    )
+    return 0
+
+
+def _compare_command(args: argparse.Namespace) -> int:
+    from .harness.compare import format_table, run_compare
+    from .harness.launch import in_torchrun
+    from .harness.strategies import parse_strategy
+
+    config = _make_config(args, args.parser)
+    for text in args.strategies:
+        try:
+            parse_strategy(text)
+        except ValueError as exc:
+            args.parser.error(f"argument --strategies: {exc}")
+    if args.seeds < 1:
+        args.parser.error(f"argument --seeds: must be an int >= 1, got {args.seeds}")
+    results = run_compare(config, args.strategies, args.seeds, args.workers, args.out)
+    if in_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0
+    print(format_table(results))
+    written = [Path(args.out) / "results.json"]
+    if not args.no_plots:
+        from .harness.plots import plot_all
+
+        written += plot_all(results, args.out)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``accordion`` command."""
     parser = argparse.ArgumentParser(
@@ -187,6 +313,31 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency", default="50us", help="per-message latency (default 50us)")
     plan.add_argument("--json", action="store_true", help="print one JSON object (keys below)")
     plan.set_defaults(handler=_plan_command, parser=plan)
+
+    train = sub.add_parser(
+        "train",
+        help="train one strategy (local workers or under torchrun)",
+        description="Distributed training through the Accordion hook. Strategies: "
+        "dense, static:powersgd:R, static:topk:K, accordion:powersgd:MILD,AGGRESSIVE, "
+        "accordion:topk:MILD,AGGRESSIVE, torch-powersgd:R.",
+    )
+    _config_arguments(train)
+    train.add_argument("--strategy", default="accordion:powersgd:4,1", help="see above")
+    train.add_argument("--out", default=None, help="directory for metrics.jsonl / metrics.csv")
+    train.set_defaults(handler=_train_command, parser=train)
+
+    compare = sub.add_parser(
+        "compare",
+        help="run several strategies with the same seeds and print the paper's table",
+        description="Runs every strategy with seeds 0..N-1, prints the table, writes "
+        "results.json and PNG plots to --out.",
+    )
+    _config_arguments(compare)
+    compare.add_argument("--strategies", nargs="+", required=True, help="space-separated")
+    compare.add_argument("--seeds", type=int, default=1, help="seeds per strategy (default 1)")
+    compare.add_argument("--out", default="runs/compare", help="output directory")
+    compare.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    compare.set_defaults(handler=_compare_command, parser=compare)
     return parser
 
 

@@ -48,6 +48,27 @@ INTERVAL_UNITS = ("epoch", "step")
 CHECKPOINT_FORMAT = 1
 
 
+_PRIVATE_GROUPS: dict[tuple[int, tuple[int, ...] | None], Any] = {}
+
+
+def _private_group(process_group: Any) -> Any:
+    """A process group with the ranks of ``process_group``, used only by Accordion states.
+
+    Created once per set of ranks (``new_group`` is collective: every rank creates them
+    in the same order, so the cache stays consistent across ranks).
+    """
+    ranks = None
+    if process_group is not None:
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+    # keyed by the default group too: a re-initialised job must not reuse stale groups
+    key = (id(dist.group.WORLD), ranks)
+    group = _PRIVATE_GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(ranks=list(ranks) if ranks is not None else None)
+        _PRIVATE_GROUPS[key] = group
+    return group
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
@@ -247,10 +268,7 @@ class AccordionState:
             # A private copy of the group: the hook's phases are issued from completion
             # callbacks, and on a shared group they could pair up wrongly with collectives
             # that DDP (e.g. find_unused_parameters) or the loop issue meanwhile.
-            ranks = None
-            if self.process_group is not None:
-                ranks = dist.get_process_group_ranks(self.process_group)
-            self._transport = TorchTransport(dist.new_group(ranks=ranks))
+            self._transport = TorchTransport(_private_group(self.process_group))
         return self._transport.world_size, self._transport
 
     # --- the per-step path ----------------------------------------------------------------

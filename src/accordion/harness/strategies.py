@@ -1,0 +1,91 @@
+"""Strategy strings of the harness: what averages the gradients in a run.
+
+``dense``                           plain DDP all-reduce (the baseline)
+``static:powersgd:R``               our hook, PowerSGD at rank R throughout
+``static:topk:K``                   our hook, top-k keeping the fraction K throughout
+``accordion:powersgd:MILD,AGG``     our hook, Accordion switching ranks MILD and AGG
+``accordion:topk:MILD,AGG``         our hook, Accordion switching fractions MILD and AGG
+``torch-powersgd:R``                PyTorch's own ``powerSGD_hook`` at rank R (outside baseline)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..accounting import check_fraction, check_rank
+
+FORMATS = (
+    "dense",
+    "static:powersgd:R",
+    "static:topk:K",
+    "accordion:powersgd:MILD,AGGRESSIVE",
+    "accordion:topk:MILD,AGGRESSIVE",
+    "torch-powersgd:R",
+)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parsed strategy string.
+
+    ``family`` is "dense", "static", "accordion" or "torch-powersgd"; ``compressor`` is
+    "dense", "powersgd" or "topk"; ``mild``/``aggressive`` are the levels (equal for
+    static strategies, ``None`` for dense).
+    """
+
+    text: str
+    family: str
+    compressor: str
+    mild: Any = None
+    aggressive: Any = None
+
+    @property
+    def uses_accordion_hook(self) -> bool:
+        """Whether the run registers our hook (static and Accordion strategies)."""
+        return self.family in ("static", "accordion")
+
+
+def _level(compressor: str, text: str, whole: str) -> Any:
+    try:
+        if compressor == "powersgd":
+            return check_rank(int(text))
+        return check_fraction(float(text))
+    except (TypeError, ValueError) as exc:
+        allowed = "an integer rank >= 1" if compressor == "powersgd" else "a fraction in (0, 1]"
+        raise ValueError(f"strategy {whole!r}: level {text!r} must be {allowed} ({exc})") from None
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse a strategy string; raises ``ValueError`` listing the formats if malformed."""
+    if not isinstance(text, str):
+        raise TypeError(f"strategy must be a str, got {type(text).__name__}")
+    parts = text.strip().split(":")
+    bad = ValueError(f"strategy must have one of the forms {', '.join(FORMATS)}; got {text!r}")
+    if parts == ["dense"]:
+        return Strategy(text, "dense", "dense")
+    if len(parts) == 2 and parts[0] == "torch-powersgd":
+        rank = _level("powersgd", parts[1], text)
+        return Strategy(text, "torch-powersgd", "powersgd", rank, rank)
+    if len(parts) != 3 or parts[0] not in ("static", "accordion"):
+        raise bad
+    family, compressor, levels = parts
+    if compressor not in ("powersgd", "topk"):
+        raise ValueError(
+            f"strategy {text!r}: compressor must be 'powersgd' or 'topk', got {compressor!r}"
+        )
+    if family == "static":
+        if "," in levels:
+            raise bad
+        level = _level(compressor, levels, text)
+        return Strategy(text, "static", compressor, level, level)
+    items = levels.split(",")
+    if len(items) != 2:
+        raise bad
+    mild, aggressive = (_level(compressor, item, text) for item in items)
+    if aggressive > mild:
+        raise ValueError(
+            f"strategy {text!r}: the aggressive level ({aggressive}) must compress at least as "
+            f"much as the mild one ({mild}): MILD,AGGRESSIVE with AGGRESSIVE <= MILD"
+        )
+    return Strategy(text, "accordion", compressor, mild, aggressive)

@@ -1,0 +1,480 @@
+"""One training run on every rank: data, model, optimiser, schedule, strategy, logs.
+
+Everything that averages gradients goes through the library's public API
+(``AccordionState`` + ``accordion_hook``) or, for the baselines, through plain DDP and
+PyTorch's own ``powerSGD_hook``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..accounting import is_compressible, matrix_shape, paper_floats, powersgd_rank, wire_bytes
+from ..ddp import AccordionState, accordion_hook
+from ..models import get_model
+from .data import (
+    ClassificationData,
+    LanguageData,
+    classification_batches,
+    language_batches,
+    load_task,
+)
+from .strategies import Strategy, parse_strategy
+
+#: PyTorch's powerSGD_hook settings used for the ``torch-powersgd:R`` baseline.
+TORCH_POWERSGD_START_ITER = 2  # the smallest DDP allows with error feedback
+TORCH_POWERSGD_MIN_COMPRESSION_RATE = 2.0  # PyTorch's default
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one run. Learning rates are per optimizer step of the global batch.
+
+    The schedule: linear warm-up from ``warmup_start_lr`` to ``lr`` over
+    ``warmup_epochs`` (per step), then ``lr`` multiplied by ``decay_factor`` at each of
+    ``decay_epochs``.
+    """
+
+    task: str = "mnist1d"
+    data_dir: str | None = None
+    model: str | None = None
+    strategy: str = "accordion:powersgd:4,1"
+    epochs: int = 60
+    batch_size: int = 128  # global, over all workers
+    lr: float = 0.1
+    warmup_epochs: float = 2.0
+    warmup_start_lr: float | None = None  # default lr / 10
+    decay_epochs: tuple[int, ...] = (30, 45)
+    decay_factor: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    interval: int = 10
+    eta: float = 0.5
+    statistic: str = "rank0"
+    seed: int = 0
+    train_samples: int | None = None
+    test_samples: int | None = None
+    bptt: int = 30
+    clip: float | None = None  # gradient-norm clipping (the LSTM preset uses 0.4)
+    threads: int | None = None
+    progress: bool = True
+    out: str | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        parse_strategy(self.strategy)
+        positive_ints = ("epochs", "batch_size", "interval", "bptt")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("lr", "eta", "decay_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        for name in ("momentum", "weight_decay", "warmup_epochs"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if any(not isinstance(e, int) or e < 0 for e in self.decay_epochs):
+            raise ValueError(f"decay_epochs must be ints >= 0, got {self.decay_epochs!r}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be a positive number or None, got {self.clip!r}")
+
+    def lr_at(self, epoch: float) -> float:
+        """Learning rate at fractional epoch ``epoch`` (step ``s`` of epoch ``e`` is
+        ``e + s / steps_per_epoch``)."""
+        if epoch < self.warmup_epochs:
+            start = self.lr / 10 if self.warmup_start_lr is None else self.warmup_start_lr
+            return start + (self.lr - start) * epoch / self.warmup_epochs
+        decays = sum(1 for d in self.decay_epochs if math.floor(epoch) >= d)
+        return self.lr * self.decay_factor**decays
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable settings."""
+        out = dataclasses.asdict(self)
+        out["decay_epochs"] = list(self.decay_epochs)
+        return out
+
+
+#: Named presets for the paper's full runs (meant for GPU machines).
+PRESETS: dict[str, dict[str, Any]] = {
+    "cifar10-resnet18": dict(
+        task="cifar10", model="resnet18", epochs=300, batch_size=512, lr=0.4,
+        warmup_epochs=5, warmup_start_lr=0.1, decay_epochs=(150, 250), interval=10,
+    ),
+    "cifar100-resnet18": dict(
+        task="cifar100", model="resnet18", epochs=300, batch_size=512, lr=0.4,
+        warmup_epochs=5, warmup_start_lr=0.1, decay_epochs=(150, 250), interval=10,
+    ),
+    "cifar10-vgg19bn": dict(
+        task="cifar10", model="vgg19bn", epochs=300, batch_size=512, lr=0.4,
+        warmup_epochs=5, warmup_start_lr=0.1, decay_epochs=(150, 250), interval=10,
+    ),
+    "cifar10-senet18": dict(
+        task="cifar10", model="senet18", epochs=300, batch_size=512, lr=0.4,
+        warmup_epochs=5, warmup_start_lr=0.1, decay_epochs=(150, 250), interval=10,
+    ),
+    "cifar100-densenet": dict(
+        task="cifar100", model="densenet", epochs=300, batch_size=512, lr=0.4,
+        warmup_epochs=5, warmup_start_lr=0.1, decay_epochs=(150, 250), interval=10,
+    ),
+    "wikitext2-lstm": dict(
+        task="wikitext2", model="lstm", epochs=90, batch_size=80, lr=2.5, warmup_epochs=0,
+        decay_epochs=(60, 80), interval=5, clip=0.4, momentum=0.0, weight_decay=0.0,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class RunResult:
+    """What one run produced: per-epoch records and the detector's checks."""
+
+    strategy: str
+    seed: int
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    mild: Any = None
+    aggressive: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (the ``runs`` entries of ``results.json``)."""
+        return dataclasses.asdict(self)
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _build_model(config: TrainConfig, data: ClassificationData | LanguageData) -> nn.Module:
+    name = config.model or data.default_model
+    if isinstance(data, LanguageData):
+        return get_model(name, ntoken=data.vocab_size)
+    return get_model(name, num_classes=data.num_classes)
+
+
+class _Traffic:
+    """Per-worker floats (paper convention) and wire bytes, for any strategy."""
+
+    def __init__(self, strategy: Strategy, model: nn.Module, state, world: int):
+        self.strategy, self.state, self.world = strategy, state, world
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in params]
+        self.element_size = params[0].element_size() if params else 4
+        self.steps = 0
+        self.floats = 0
+        self.bytes = 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.state is not None:
+            return  # the Accordion state keeps its own ledger
+        if self.strategy.family == "dense" or self.steps < TORCH_POWERSGD_START_ITER:
+            kinds = [("dense", None)] * len(self.shapes)
+        else:
+            kinds = [self._torch_kind(s) for s in self.shapes]
+        for shape, (kind, level) in zip(self.shapes, kinds):
+            self.floats += paper_floats(shape, kind, level, self.world)
+            self.bytes += wire_bytes(shape, kind, level, self.world, self.element_size)
+
+    def _torch_kind(self, shape) -> tuple[str, Any]:
+        # PyTorch's hook only compresses matrices whose compression rate beats its minimum
+        if not is_compressible(shape):
+            return "dense", None
+        n, m = matrix_shape(shape)
+        r = powersgd_rank(shape, self.strategy.mild)
+        if n * m > (n + m) * r * TORCH_POWERSGD_MIN_COMPRESSION_RATE:
+            return "powersgd", r
+        return "dense", None
+
+    def totals(self) -> tuple[int, float]:
+        if self.state is not None:
+            stats = self.state.ledger
+            return stats.total_floats, stats.total_bytes
+        return self.floats, self.bytes
+
+
+def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, ddp: DDP):
+    if strategy.uses_accordion_hook:
+        state = AccordionState(
+            model,
+            compressor=strategy.compressor,
+            mild=strategy.mild,
+            aggressive=strategy.aggressive,
+            interval=config.interval,
+            eta=config.eta,
+            statistic=config.statistic,
+            seed=config.seed,
+        )
+        ddp.register_comm_hook(state, accordion_hook)
+        return state
+    if strategy.family == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+        torch_state = torch_psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=strategy.mild,
+            start_powerSGD_iter=TORCH_POWERSGD_START_ITER,
+            min_compression_rate=TORCH_POWERSGD_MIN_COMPRESSION_RATE,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=config.seed,
+        )
+        ddp.register_comm_hook(torch_state, torch_psgd.powerSGD_hook)
+    return None
+
+
+def _evaluate(model: nn.Module, data, config: TrainConfig, rank: int, world: int, device):
+    """Test accuracy (%) or perplexity; each rank evaluates a shard, then all-reduce."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        if isinstance(data, LanguageData):
+            hidden = None
+            batches = language_batches(
+                data.test, batch_size_per_rank=max(1, config.batch_size // world),
+                rank=rank, world_size=world, bptt=config.bptt,
+            )  # fmt: skip
+            for x, y in batches:
+                logits, hidden = model(x.to(device), hidden)
+                loss = nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1), reduction="sum"
+                )
+                totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+        else:
+            shard = dataclasses.replace(
+                data, x_test=data.x_test[rank::world], y_test=data.y_test[rank::world]
+            )
+            batches = classification_batches(
+                shard, global_batch=config.batch_size, rank=0, world_size=1, epoch=0,
+                seed=config.seed, train=False,
+            )  # fmt: skip
+            for x, y in batches:
+                pred = model(x.to(device)).argmax(dim=1)
+                totals += torch.tensor(
+                    [(pred == y.to(device)).sum().item(), y.numel()], dtype=torch.float64
+                )
+    if world > 1:
+        dist.all_reduce(totals)
+    model.train()
+    if isinstance(data, LanguageData):
+        return math.exp(min(totals[0].item() / max(totals[1].item(), 1.0), 50.0))
+    return 100.0 * totals[0].item() / max(totals[1].item(), 1.0)
+
+
+def _train_batches(data, config: TrainConfig, rank: int, world: int, epoch: int):
+    if isinstance(data, LanguageData):
+        return language_batches(
+            data.train, batch_size_per_rank=config.batch_size // world, rank=rank,
+            world_size=world, bptt=config.bptt,
+        )  # fmt: skip
+    return classification_batches(
+        data, global_batch=config.batch_size, rank=rank, world_size=world, epoch=epoch,
+        seed=config.seed,
+    )  # fmt: skip
+
+
+def _steps_per_epoch(data, config: TrainConfig, world: int) -> int:
+    if isinstance(data, LanguageData):
+        columns = (config.batch_size // world) * world
+        return math.ceil((data.train.numel() // columns - 1) / config.bptt)
+    return data.x_train.shape[0] // config.batch_size
+
+
+class _Logger:
+    """Rank 0's per-epoch logs: JSON lines, CSV, and TensorBoard when installed."""
+
+    def __init__(self, out: str | None, config: TrainConfig):
+        self.dir = Path(out) if out else None
+        self.writer = None
+        self.rows: list[dict[str, Any]] = []
+        if self.dir is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        self.jsonl = (self.dir / "metrics.jsonl").open("w")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        except Exception:  # noqa: BLE001 - TensorBoard is optional
+            self.writer = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.rows.append(record)
+        if self.dir is None:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key in ("train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr"):
+                self.writer.add_scalar(key, record[key], record["epoch"])
+
+    def close(self, checks: list[dict[str, Any]]) -> None:
+        if self.dir is None:
+            return
+        self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+        layers = sorted({k for row in self.rows for k in row["levels"]})
+        scalars = ["epoch", "train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr"]
+        with (self.dir / "metrics.csv").open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(scalars + [f"level:{name}" for name in layers])
+            for row in self.rows:
+                writer.writerow([row[k] for k in scalars] + [row["levels"].get(n) for n in layers])
+        (self.dir / "checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+
+
+def train_run(
+    config: TrainConfig,
+    rank: int,
+    world: int,
+    local_rank: int = 0,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
+    """Train one run on this rank (a process group must be initialised when world > 1).
+
+    Returns the per-epoch records (identical on every rank, except for timing).
+    """
+    config.validate()
+    strategy = parse_strategy(config.strategy)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = _device(local_rank)
+    data = load_task(
+        config.task, config.data_dir, train_samples=config.train_samples,
+        test_samples=config.test_samples, seed=config.seed,
+    )  # fmt: skip
+    if config.batch_size % world:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) must be a multiple of the number of workers "
+            f"({world})"
+        )
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    model = _build_model(config, data).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state = _attach_strategy(config, strategy, model, ddp)
+    traffic = _Traffic(strategy, model, state, world)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )  # fmt: skip
+    steps_per_epoch = max(1, _steps_per_epoch(data, config, world))
+    logger = _Logger(config.out if rank == 0 else None, config)
+    result = RunResult(config.strategy, config.seed, mild=strategy.mild,
+                       aggressive=strategy.aggressive)  # fmt: skip
+    train_time = 0.0
+    bar = _progress_bar(config) if rank == 0 else None
+    for epoch in range(config.epochs):
+        levels = state.levels() if state is not None else {}
+        if world > 1:
+            dist.barrier()  # time the same span of work on every rank
+        start = time.perf_counter()
+        loss_sum, batches = _train_epoch(
+            ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device, traffic
+        )
+        train_time += time.perf_counter() - start
+        next_lr = config.lr_at(epoch + 1)
+        if state is not None:
+            state.end_epoch(next_lr=next_lr)
+        metric = _evaluate(model, data, config, rank, world, device)
+        loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(loss)
+        floats, nbytes = traffic.totals()
+        record = {
+            "epoch": epoch,
+            "train_loss": loss[0].item() / max(loss[1].item(), 1.0),
+            "test_metric": metric,
+            "floats": floats,
+            "bytes": nbytes,
+            "train_time_s": train_time,
+            "lr": optimizer.param_groups[0]["lr"],
+            "levels": levels,
+        }
+        result.epochs.append(record)
+        logger.log(record)
+        if on_epoch is not None:
+            on_epoch(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{record['train_loss']:.3f}", test=f"{metric:.2f}",
+                sent=f"{floats / 1e6:.1f}M floats",
+            )  # fmt: skip
+    if bar is not None:
+        bar.close()
+    result.checks = state.stats()["checks"] if state is not None else []
+    logger.close(result.checks)
+    return result
+
+
+def _progress_bar(config: TrainConfig):
+    if not config.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        return None
+    return tqdm(total=config.epochs, desc=config.strategy, unit="epoch", dynamic_ncols=True)
+
+
+def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
+                 traffic: _Traffic) -> tuple[float, int]:  # fmt: skip
+    ddp.train()
+    loss_sum, count = 0.0, 0
+    hidden = None
+    language = isinstance(data, LanguageData)
+    for step, (x, y) in enumerate(_train_batches(data, config, rank, world, epoch)):
+        lr = config.lr_at(epoch + step / steps_per_epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        x, y = x.to(device), y.to(device)
+        if language:
+            if hidden is not None:
+                hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
+            logits, hidden = ddp(x, hidden)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        else:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        if config.clip is not None:
+            # DDP averages inside backward, so this clips the averaged gradient
+            nn.utils.clip_grad_norm_(ddp.parameters(), config.clip)
+        optimizer.step()
+        traffic.step()
+        loss_sum += loss.item()
+        count += 1
+    return loss_sum, count
+
+
+def run_many(
+    configs: Iterable[TrainConfig],
+    rank: int,
+    world: int,
+    local_rank: int = 0,
+    progress: Callable[[TrainConfig, dict[str, Any]], None] | None = None,
+) -> list[RunResult]:
+    """Run several configurations one after another in the same processes."""
+    results = []
+    for config in configs:
+        callback = (lambda record, c=config: progress(c, record)) if progress else None
+        results.append(train_run(config, rank, world, local_rank, on_epoch=callback))
+    return results
