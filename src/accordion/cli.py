@@ -182,6 +182,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=None, help="seed (default 0)")
     add("--train-samples", type=int, default=None, help="training samples used (task default)")
     add("--test-samples", type=int, default=None, help="test samples used (task default)")
+    add("--synthetic-shape", default=None, help="one synthetic sample's shape, e.g. 3,32,32 or 40")
     add("--bptt", type=int, default=None, help="LSTM truncated-BPTT length (default 30)")
     add("--clip", type=float, default=None, help="gradient-norm clipping (LSTM preset: 0.4)")
     add(
@@ -213,6 +214,12 @@ def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
             values["decay_epochs"] = tuple(int(e) for e in text.split(",") if e.strip())
         except ValueError:
             parser.error(f"argument --decay-epochs: must be comma-separated ints, got {text!r}")
+    if isinstance(values.get("synthetic_shape"), str):
+        try:
+            text = values["synthetic_shape"]
+            values["synthetic_shape"] = tuple(int(d) for d in text.split(","))
+        except ValueError:
+            parser.error(f"argument --synthetic-shape: must be comma-separated ints, got {text!r}")
     values["progress"] = not args.no_progress
     if values.get("threads") is None:
         values["threads"] = default_threads(args.workers)

@@ -67,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     train_samples: int | None = None
     test_samples: int | None = None
+    synthetic_shape: tuple[int, ...] = (3, 32, 32)  # one sample of the synthetic task
     bptt: int = 30
     clip: float | None = None  # gradient-norm clipping (the LSTM preset uses 0.4)
     threads: int | None = None
@@ -107,6 +108,7 @@ class TrainConfig:
         """Plain JSON-serialisable settings."""
         out = dataclasses.asdict(self)
         out["decay_epochs"] = list(self.decay_epochs)
+        out["synthetic_shape"] = list(self.synthetic_shape)
         return out
 
 
@@ -360,6 +362,7 @@ def train_run(
     data = load_task(
         config.task, config.data_dir, train_samples=config.train_samples,
         test_samples=config.test_samples, seed=config.seed,
+        synthetic_shape=tuple(config.synthetic_shape),
     )  # fmt: skip
     if config.batch_size % world:
         raise ValueError(

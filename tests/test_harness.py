@@ -1,0 +1,164 @@
+"""The training harness end to end: `accordion train` and `accordion compare`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accordion.cli import main
+from accordion.harness.compare import run_compare
+from accordion.harness.strategies import parse_strategy
+from accordion.harness.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_FAMILIES = [
+    "dense",
+    "static:powersgd:2",
+    "static:topk:0.2",
+    "accordion:powersgd:2,1",
+    "accordion:topk:0.5,0.1",
+    "torch-powersgd:1",
+]
+TINY = dict(
+    task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
+    batch_size=32, interval=1, decay_epochs=(2,), threads=1, progress=False,
+)  # fmt: skip
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "accordion", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """One 2-worker compare of every strategy family (one process spawn for all runs)."""
+    out = tmp_path_factory.mktemp("compare")
+    results = run_compare(TrainConfig(**TINY), ALL_FAMILIES, seeds=1, workers=2, out=out)
+    return out, results
+
+
+def test_every_strategy_family_trains_end_to_end_with_two_workers(compared):
+    _, results = compared
+    assert [r["strategy"] for r in results["runs"]] == ALL_FAMILIES
+    for run in results["runs"]:
+        assert len(run["epochs"]) == 3
+        assert all(0.0 <= e["test_metric"] <= 100.0 for e in run["epochs"])
+        floats = [e["floats"] for e in run["epochs"]]
+        assert floats == sorted(floats) and floats[0] > 0
+
+
+def test_each_run_writes_well_formed_json_lines_and_csv(compared):
+    out, _ = compared
+    for strategy in ALL_FAMILIES:
+        run_dir = next((out / "runs").glob(f"{strategy.replace(':', '-').replace(',', '-')}*"))
+        lines = (run_dir / "seed0" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [r["epoch"] for r in records] == [0, 1, 2]
+        for key in ("train_loss", "test_metric", "floats", "bytes", "train_time_s", "levels"):
+            assert all(key in r for r in records)
+        with (run_dir / "seed0" / "metrics.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 3
+        assert float(rows[-1]["floats"]) == records[-1]["floats"]
+
+
+def test_accordion_runs_log_each_layers_level_and_the_checks(compared):
+    _, results = compared
+    run = next(r for r in results["runs"] if r["strategy"] == "accordion:powersgd:2,1")
+    assert set(run["epochs"][0]["levels"]) == {
+        "conv1.weight", "conv2.weight", "conv3.weight", "linear.weight"
+    }  # fmt: skip
+    assert set(run["epochs"][0]["levels"].values()) == {2}  # training starts mild
+    assert run["checks"][0]["epoch"] == 0
+
+
+def test_compressed_strategies_send_less_than_dense(compared):
+    _, results = compared
+    sent = {row["strategy"]: row["floats"] for row in results["table"]}
+    for strategy in ("static:powersgd:2", "accordion:powersgd:2,1", "torch-powersgd:1"):
+        assert sent[strategy] < sent["dense"]
+
+
+def test_compare_writes_results_json_with_the_table(compared):
+    out, results = compared
+    saved = json.loads((out / "results.json").read_text())
+    assert [row["strategy"] for row in saved["table"]] == ALL_FAMILIES
+    static = next(r for r in saved["table"] if r["strategy"] == "static:powersgd:2")
+    assert static["data_vs_mild"] == pytest.approx(1.0)
+
+
+def test_compare_cli_prints_the_table_and_writes_the_plots(tmp_path):
+    result = run_cli(
+        "compare", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "64",
+        "--test-samples", "32", "--epochs", "2", "--batch-size", "32", "--interval", "1",
+        "--workers", "2", "--no-progress", "--strategies", "static:powersgd:2",
+        "accordion:powersgd:2,1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "accordion:powersgd:2,1" in result.stdout and "less than mild" in result.stdout
+    for name in ("results.json", "accuracy.png", "data_sent.png", "levels.png", "norm_ratios.png"):
+        assert (tmp_path / name).stat().st_size > 0
+        if name.endswith(".png"):
+            assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_cli_runs_one_strategy_and_reports_it(tmp_path):
+    result = run_cli(
+        "train", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "64",
+        "--test-samples", "32", "--epochs", "2", "--batch-size", "32", "--workers", "2",
+        "--no-progress", "--strategy", "accordion:topk:0.5,0.1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "accordion:topk:0.5,0.1: test" in result.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_missing_data_directory_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="cifar-10"):
+        run_compare(
+            TrainConfig(task="cifar10", data_dir=str(tmp_path / "nowhere"), epochs=1),
+            ["dense"], seeds=1, workers=1, out=tmp_path / "out",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text", ["sgd", "static:powersgd", "accordion:powersgd:2", "static:qsgd:2", "static:topk:2"]
+)
+def test_malformed_strategies_are_rejected_with_the_allowed_forms(text):
+    with pytest.raises(ValueError, match="strategy"):
+        parse_strategy(text)
+
+
+def test_the_cli_rejects_an_unknown_strategy_naming_the_argument(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--strategies", "fast", "--epochs", "1"])
+    assert info.value.code == 2
+    assert "--strategies" in capsys.readouterr().err
+
+
+def test_the_cli_rejects_an_unknown_task(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "imagenet"])
+    assert "--task" in capsys.readouterr().err
+
+
+def test_the_library_never_imports_the_harness():
+    code = (
+        "import sys, accordion, accordion.ddp, accordion.compress, accordion.regime, "
+        "accordion.plan, accordion.models, accordion.accounting, accordion.costmodel, "
+        "accordion.cli; "
+        "print([m for m in sys.modules if m.startswith('accordion.harness')])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "[]", out.stderr
