@@ -184,6 +184,44 @@ class TorchTransport:
         work = self._all_gather(flat, op.tensor, group=self.group, async_op=True)
         return work.get_future(), lambda: flat.view(self.world_size, *op.tensor.shape)
 
+    def _issue_phase(self, phase: list[Collective]) -> tuple[list[torch.futures.Future], Callable]:
+        """Issue a phase's collectives; all-reduces of one dtype and device share one call.
+
+        Returns the futures and a function giving the per-collective results once they
+        are done. Fewer, larger collectives pay the per-message latency once.
+        """
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, op in enumerate(phase):
+            if isinstance(op, AllReduce):
+                groups.setdefault((op.tensor.dtype, op.tensor.device), []).append(i)
+        futures, finishers = [], []
+        coalesced = set()
+        for ix in groups.values():
+            if len(ix) < 2:
+                continue
+            tensors = [phase[i].tensor for i in ix]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            fut, _ = self._issue(AllReduce(flat))
+            futures.append(fut)
+            finishers.append((tensors, flat))
+            coalesced.update(ix)
+        singles = {}
+        for i, op in enumerate(phase):
+            if i not in coalesced:
+                fut, result = self._issue(op)
+                futures.append(fut)
+                singles[i] = result
+
+        def collect() -> list[Any]:
+            for tensors, flat in finishers:
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+            return [singles[i]() if i in singles else phase[i].tensor for i in range(len(phase))]
+
+        return futures, collect
+
     def run(self, exchange: Exchange[T]) -> T:
         """Run an exchange to completion, blocking, and return its result.
 
@@ -229,7 +267,7 @@ class TorchTransport:
         def advance(reply: Any) -> None:
             try:
                 phase = exchange.send(reply)
-                issued = [self._issue(op) for op in phase]
+                futures, collect = self._issue_phase(phase)
             except StopIteration as stop:
                 finish(stop.value)
                 return
@@ -241,12 +279,12 @@ class TorchTransport:
                 try:
                     for each in fut.wait():
                         each.wait()  # raises the collective's error, if any
-                    reply = [result() for _, result in issued]
+                    reply = collect()
                 except BaseException as exc:  # noqa: BLE001
                     finish(error=exc)
                     return
                 advance(reply)
 
-            torch.futures.collect_all([f for f, _ in issued]).then(on_phase_done)
+            torch.futures.collect_all(futures).then(on_phase_done)
 
         advance(None)
