@@ -83,8 +83,8 @@ def test_powersgd_initial_q_keeps_its_leading_columns_across_ranks():
     assert torch.equal(q4[:, :1], q1)
 
 
-def test_powersgd_rank_change_redraws_q_from_the_shared_seed():
-    comp = PowerSGD(4)
+def test_powersgd_redraw_policy_redraws_q_from_the_shared_seed_at_a_rank_change():
+    comp = PowerSGD(4, on_rank_change="redraw")
     reducer = Reducer(comp)
     run_workers([reducer], ["w"], [[torch.randn(8, 6)]])
     assert comp._q["w"].shape == (6, 4)
@@ -98,8 +98,8 @@ def test_powersgd_rank_change_redraws_q_from_the_shared_seed():
     torch.testing.assert_close(captured[0], expected_p.reshape(-1))
 
 
-def test_powersgd_reuse_policy_keeps_leading_q_columns_when_the_rank_shrinks():
-    comp = PowerSGD(4, on_rank_change="reuse")
+def test_powersgd_reuses_leading_q_columns_by_default_when_the_rank_shrinks():
+    comp = PowerSGD(4)
     run_workers([Reducer(comp)], ["w"], [[torch.randn(8, 6)]])
     q4 = comp._q["w"].clone()
     comp.set_level(1)

@@ -179,6 +179,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     add("--interval", type=int, default=None, help="Accordion check interval, epochs (default 10)")
     add("--eta", type=float, default=None, help="Accordion threshold (default 0.5)")
     add("--statistic", default=None, help="rank0 (default, the paper) or mean")
+    add("--on-rank-change", default=None, help="PowerSGD Q at a switch: reuse or redraw")
     add("--seed", type=int, default=None, help="seed (default 0)")
     add("--train-samples", type=int, default=None, help="training samples used (task default)")
     add("--test-samples", type=int, default=None, help="test samples used (task default)")

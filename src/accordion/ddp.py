@@ -93,7 +93,9 @@ class AccordionState:
             :meth:`end_step` after every optimizer step).
         process_group: the group to average over (default: the default group).
         seed: seed shared by all ranks for PowerSGD's initial factors.
-        on_rank_change: PowerSGD's Q at a rank switch: ``"reuse"`` or ``"redraw"``.
+        on_rank_change: PowerSGD's Q at a rank switch: ``"reuse"`` (default: keep the
+            leading columns, append shared-seed ones) or ``"redraw"`` (the paper's
+            scripts). The error-feedback memory is always kept.
     """
 
     def __init__(
@@ -108,7 +110,7 @@ class AccordionState:
         interval_unit: str = "epoch",
         process_group: Any = None,
         seed: int = 0,
-        on_rank_change: str = "redraw",
+        on_rank_change: str = "reuse",
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")

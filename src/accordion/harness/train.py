@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..accounting import is_compressible, matrix_shape, paper_floats, powersgd_rank, wire_bytes
+from ..compress import PowerSGD
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
 from .data import (
@@ -64,6 +65,7 @@ class TrainConfig:
     interval: int = 10
     eta: float = 0.5
     statistic: str = "rank0"
+    on_rank_change: str | None = None  # PowerSGD's Q at a switch; None: the library default
     seed: int = 0
     train_samples: int | None = None
     test_samples: int | None = None
@@ -92,6 +94,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if any(not isinstance(e, int) or e < 0 for e in self.decay_epochs):
             raise ValueError(f"decay_epochs must be ints >= 0, got {self.decay_epochs!r}")
+        if self.on_rank_change not in (None, *PowerSGD.RANK_CHANGE_POLICIES):
+            raise ValueError(
+                f"on_rank_change must be one of {PowerSGD.RANK_CHANGE_POLICIES} or None, "
+                f"got {self.on_rank_change!r}"
+            )
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be a positive number or None, got {self.clip!r}")
 
@@ -222,6 +229,7 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             eta=config.eta,
             statistic=config.statistic,
             seed=config.seed,
+            **({"on_rank_change": config.on_rank_change} if config.on_rank_change else {}),
         )
         ddp.register_comm_hook(state, accordion_hook)
         return state
