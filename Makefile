@@ -16,10 +16,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/accordion plan --model resnet18 --num-classes 10 --workers 4 --steps 29400 \
-		--compressor powersgd --levels 2,1
-	$(VENV)/bin/accordion plan --model resnet18 --num-classes 10 --workers 4 --steps 29400 \
-		--compressor topk --levels 0.99,0.1
+	$(VENV)/bin/accordion compare --task mnist1d --workers 4 --seeds 1 --no-progress \
+		--strategies dense static:powersgd:4 static:powersgd:1 accordion:powersgd:4,1 \
+		static:topk:0.99 static:topk:0.01 accordion:topk:0.99,0.01 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests

@@ -162,3 +162,13 @@ def test_the_library_never_imports_the_harness():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def _large_result(rank, world, local_rank):
+    return list(range(300_000)) if rank == 0 else None
+
+
+def test_local_workers_return_a_result_larger_than_a_pipe_buffer():
+    from accordion.harness.launch import run_distributed
+
+    assert run_distributed(_large_result, 2) == list(range(300_000))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +41,7 @@ def _shutdown() -> None:
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
+def _spawned(rank: int, fn, world: int, port: int, result_path: str, args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -50,7 +52,10 @@ def _spawned(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
     finally:
         _shutdown()
     if rank == 0:
-        queue.put(result)
+        # a file, not a queue: a large result would fill a pipe that nobody reads while
+        # the parent waits in join()
+        with open(result_path, "wb") as f:
+            pickle.dump(result, f)
 
 
 def run_distributed(fn: Callable[..., Any], workers: int, *args: Any) -> Any:
@@ -73,10 +78,11 @@ def run_distributed(fn: Callable[..., Any], workers: int, *args: Any) -> Any:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     if workers == 1:
         return fn(0, 1, 0, *args)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(
-        _spawned, args=(fn, workers, _free_port(), queue, args), nprocs=workers,
-        join=True, start_method="spawn",
-    )  # fmt: skip
-    return queue.get()
+    with tempfile.TemporaryDirectory(prefix="accordion-") as tmp:
+        result_path = os.path.join(tmp, "result.pkl")
+        mp.start_processes(
+            _spawned, args=(fn, workers, _free_port(), result_path, args), nprocs=workers,
+            join=True, start_method="spawn",
+        )  # fmt: skip
+        with open(result_path, "rb") as f:
+            return pickle.load(f)
