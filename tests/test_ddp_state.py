@@ -189,3 +189,18 @@ def test_loading_a_state_of_another_model_is_an_error():
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     with pytest.raises(ValueError, match="does not match the model"):
         AccordionState(other).load_state_dict(_saved())
+
+
+def test_binding_a_module_later_moves_lazily_bound_state_to_the_names():
+    net = make_net()
+    state = AccordionState(None, "powersgd", mild=2, aggressive=1)
+    for i in range(2):
+        net.zero_grad()
+        net(torch.randn(5, 8)).pow(2).sum().backward()
+        state.reduce_gradients(net.parameters())
+    memory = state.reducer.memory.get("#0").clone()
+    floats = state.stats()["layers"]["#0"]["floats"]
+    state.bind_module(net)
+    assert torch.equal(state.reducer.memory.get("0.weight"), memory)
+    assert state.stats()["layers"]["0.weight"]["floats"] == floats
+    assert not any(key.startswith("#") for key in state.stats()["layers"])

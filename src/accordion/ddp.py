@@ -220,20 +220,16 @@ class AccordionState:
         self._element_size[key] = param.element_size()
 
     def _rename(self, renamed: Mapping[str, str]) -> None:
-        comp, memory = self.reducer.compressor, self.reducer.memory
         for old, new in renamed.items():
             self._shapes[new] = self._shapes.pop(old)
             self._element_size[new] = self._element_size.pop(old)
             if old in self._accumulators:
                 self._accumulators[new] = self._accumulators.pop(old)
-            if memory.get(old) is not None:
-                memory.update(new, memory.get(old))
-                memory.update(old, None)
-            if old in comp._levels:
-                comp._levels[new] = comp._levels.pop(old)
-            for table in (getattr(comp, "_q", {}), getattr(comp, "_q_level", {})):
-                if old in table:
-                    table[new] = table.pop(old)
+            if old in self.ledger.layers:
+                self.ledger.layers[new] = self.ledger.layers.pop(old)
+            self.reducer.memory.rename(old, new)
+            self.reducer.compressor.rename(old, new)
+        self._costs.clear()  # keyed by the old names
 
     def _check_expected(self) -> None:
         if self._expected_shapes is None or self._module is None:

@@ -67,6 +67,11 @@ class Compressor(ABC):
     ) -> Exchange[Result]:
         """Average ``tensors`` over the workers; see the module docstring."""
 
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Move ``old``'s level and state to the key ``new``."""
+        if old in self._levels:
+            self._levels[new] = self._levels.pop(old)
+
     def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
         """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
 
@@ -277,6 +282,12 @@ class PowerSGD(Compressor):
                 self._q[keys[i]] = q[j]
                 self._q_level[keys[i]] = self.level(keys[i])
         return results
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        super().rename(old, new)
+        for table in (self._q, self._q_level):
+            if old in table:
+                table[new] = table.pop(old)
 
     def reset(self, keys: Iterable[Hashable]) -> None:
         """Drop the warm-start Q of ``keys``; the next exchange redraws it from the seed."""

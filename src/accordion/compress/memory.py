@@ -46,6 +46,11 @@ class ErrorFeedback:
         """The memory held for ``key``, or ``None`` when it is zero."""
         return self._memory.get(key)
 
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Move the memory of ``old`` to the key ``new``."""
+        if old in self._memory:
+            self._memory[new] = self._memory.pop(old)
+
     def keys(self) -> Iterable[Hashable]:
         """Keys with a non-zero memory."""
         return self._memory.keys()
@@ -74,6 +79,9 @@ class NoMemory:
     def get(self, key: Hashable) -> None:
         """Always ``None``: nothing is remembered."""
         return None
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Nothing to move."""
 
     def keys(self) -> Iterable[Hashable]:
         """Always empty."""
