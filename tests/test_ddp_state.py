@@ -194,7 +194,7 @@ def test_loading_a_state_of_another_model_is_an_error():
 def test_binding_a_module_later_moves_lazily_bound_state_to_the_names():
     net = make_net()
     state = AccordionState(None, "powersgd", mild=2, aggressive=1)
-    for i in range(2):
+    for _ in range(2):
         net.zero_grad()
         net(torch.randn(5, 8)).pow(2).sum().backward()
         state.reduce_gradients(net.parameters())
