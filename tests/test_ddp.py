@@ -137,11 +137,13 @@ def test_static_powersgd_trains_to_within_10_percent_of_pytorchs_powersgd_hook(t
 # --- every rank agrees on the levels ----------------------------------------------------
 
 
-def _levels_agree(rank, world_size, out_dir):
+def _levels_agree(rank, world_size, out_dir, statistic):
     torch.manual_seed(0)
     net = Net()
     model = DDP(net)
-    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=1, eta=0.3)
+    state = AccordionState(
+        net, "powersgd", mild=4, aggressive=1, interval=1, eta=0.3, statistic=statistic
+    )
     model.register_comm_hook(state, accordion_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[4], gamma=0.1)
@@ -158,8 +160,9 @@ def _levels_agree(rank, world_size, out_dir):
     torch.save({"seen": seen, "checks": state.stats()["checks"]}, f"{out_dir}/rank{rank}.pt")
 
 
-def test_every_rank_holds_the_same_levels_at_every_step(tmp_path):
-    run_processes(_levels_agree, 4, str(tmp_path))
+@pytest.mark.parametrize("world_size,statistic", [(4, "rank0"), (2, "mean")])
+def test_every_rank_holds_the_same_levels_at_every_step(tmp_path, world_size, statistic):
+    run_processes(_levels_agree, world_size, str(tmp_path), statistic)
     record = torch.load(tmp_path / "rank0.pt", weights_only=False)
     levels = [set(step.values()) for step in record["seen"]]
     assert 1 in set().union(*levels), "no layer ever switched to the aggressive level"

@@ -123,6 +123,38 @@ def test_train_cli_runs_one_strategy_and_reports_it(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_train_runs_under_torchrun_and_only_rank_0_reports(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "-m", "accordion", "train", "--task", "synthetic", "--synthetic-shape", "40",
+            "--train-samples", "64", "--test-samples", "32", "--epochs", "2",
+            "--batch-size", "32", "--no-progress", "--strategy", "static:powersgd:1",
+            "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("static:powersgd:1: test") == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _train_twice(rank, world, local_rank):
+    from accordion.harness.train import train_run
+
+    runs = [train_run(TrainConfig(**TINY, strategy="accordion:powersgd:2,1"), rank, world)
+            for _ in range(2)]  # fmt: skip
+    return [[(e["train_loss"], e["test_metric"], e["floats"]) for e in r.epochs] for r in runs]
+
+
+def test_runs_are_deterministic_given_the_seed_on_cpu():
+    from accordion.harness.launch import run_distributed
+
+    first, second = run_distributed(_train_twice, 2)
+    assert first == second
+
+
 def test_a_missing_data_directory_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="cifar-10"):
         run_compare(

@@ -254,11 +254,15 @@ def _train_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.parser.error(f"argument --strategy: {exc}")
     config.out = args.out
+    from .harness.launch import in_torchrun
+
     result = run_distributed(_train_worker, args.workers, config)
+    if in_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0
     last = result["epochs"][-1]
     print(
         f"{config.strategy}: test {last['test_metric']:.2f} after {config.epochs} epochs, "
-        f"{last['floats'] / 1e6:,.1f} M floats sent per worker, "
+        f"{last['floats']:,} floats sent per worker, "
         f"training loop {last['train_time_s']:.1f} s"
         + (f"; logs in {args.out}" if args.out else "")
     )
