@@ -209,18 +209,14 @@ def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    if isinstance(values.get("decay_epochs"), str):
-        try:
-            text = values["decay_epochs"]
-            values["decay_epochs"] = tuple(int(e) for e in text.split(",") if e.strip())
-        except ValueError:
-            parser.error(f"argument --decay-epochs: must be comma-separated ints, got {text!r}")
-    if isinstance(values.get("synthetic_shape"), str):
-        try:
-            text = values["synthetic_shape"]
-            values["synthetic_shape"] = tuple(int(d) for d in text.split(","))
-        except ValueError:
-            parser.error(f"argument --synthetic-shape: must be comma-separated ints, got {text!r}")
+    for name in ("decay_epochs", "synthetic_shape"):
+        text = values.get(name)
+        if isinstance(text, str):
+            try:
+                values[name] = tuple(int(item) for item in text.split(",") if item.strip())
+            except ValueError:
+                flag = "--" + name.replace("_", "-")
+                parser.error(f"argument {flag}: must be comma-separated ints, got {text!r}")
     values["progress"] = not args.no_progress
     if values.get("threads") is None:
         values["threads"] = default_threads(args.workers)
