@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from accordion.cli import main
-from accordion.harness.compare import run_compare
+from accordion.harness.compare import run_compare, slug
 from accordion.harness.strategies import parse_strategy
 from accordion.harness.train import TrainConfig
 
@@ -24,10 +24,13 @@ ALL_FAMILIES = [
     "accordion:powersgd:2,1",
     "accordion:topk:0.5,0.1",
     "torch-powersgd:1",
+    "static-batch:64",
+    "batch-fixed:32,64",
+    "batch:32,64+accordion:powersgd:2,1",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
-    batch_size=32, interval=1, decay_epochs=(2,), threads=1, progress=False,
+    batch_size=32, interval=1, decay_epochs=(2,), threads=1, progress=False, batch_switch_epoch=1,
 )  # fmt: skip
 
 
@@ -60,7 +63,7 @@ def test_every_strategy_family_trains_end_to_end_with_two_workers(compared):
 def test_each_run_writes_well_formed_json_lines_and_csv(compared):
     out, _ = compared
     for strategy in ALL_FAMILIES:
-        run_dir = next((out / "runs").glob(f"{strategy.replace(':', '-').replace(',', '-')}*"))
+        run_dir = out / "runs" / slug(strategy)
         lines = (run_dir / "seed0" / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         assert [r["epoch"] for r in records] == [0, 1, 2]
@@ -87,6 +90,18 @@ def test_compressed_strategies_send_less_than_dense(compared):
     sent = {row["strategy"]: row["floats"] for row in results["table"]}
     for strategy in ("static:powersgd:2", "accordion:powersgd:2,1", "torch-powersgd:1"):
         assert sent[strategy] < sent["dense"]
+
+
+def test_batch_strategies_record_the_batch_size_and_send_once_per_global_batch(compared):
+    _, results = compared
+    runs = {r["strategy"]: r for r in results["runs"]}
+    fixed = runs["batch-fixed:32,64"]["epochs"]
+    assert [e["batch_size"] for e in fixed] == [32, 64, 64]
+    per_epoch = [b["floats"] - a["floats"] for a, b in zip(fixed, fixed[1:])]
+    first = fixed[0]["floats"]
+    # 128 samples: 4 steps of 32, then 2 steps of 64 (one all-reduce per global batch)
+    assert per_epoch == [first // 2, first // 2]
+    assert runs["static-batch:64"]["epochs"][0]["floats"] == first // 2
 
 
 def test_compare_writes_results_json_with_the_table(compared):

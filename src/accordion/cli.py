@@ -184,6 +184,24 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     add("--train-samples", type=int, default=None, help="training samples used (task default)")
     add("--test-samples", type=int, default=None, help="test samples used (task default)")
     add("--synthetic-shape", default=None, help="one synthetic sample's shape, e.g. 3,32,32 or 40")
+    add(
+        "--batch-switch-epoch",
+        type=int,
+        default=None,
+        help="batch-fixed strategies: first epoch at the large batch (default 20)",
+    )
+    add(
+        "--lr-scaling",
+        default=None,
+        help="learning rate vs batch size: linear (default) or sqrt; --lr is the rate at "
+        "--batch-size",
+    )
+    add(
+        "--batch-warmup-steps",
+        type=int,
+        default=None,
+        help="warm-up steps after a switch to a larger batch (default 5)",
+    )
     add("--bptt", type=int, default=None, help="LSTM truncated-BPTT length (default 30)")
     add("--clip", type=float, default=None, help="gradient-norm clipping (LSTM preset: 0.4)")
     add(

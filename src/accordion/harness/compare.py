@@ -79,12 +79,18 @@ def _reference(strategy: str, rows: dict[str, dict[str, Any]]) -> str | None:
     """The mild static run a strategy is compared with (the mildest static level of its
     compressor; dense for dense)."""
     parsed = parse_strategy(strategy)
+    if parsed.batch_mode is not None:
+        # batch strategies compare with the small batch and the same communication
+        comm = strategy.partition("+")[2]
+        small = f"static-batch:{parsed.batch_small}" + (f"+{comm}" if comm else "")
+        return small if small in rows else None
     if parsed.family == "dense":
         return strategy
     candidates = [
         (parse_strategy(s).mild, s)
         for s in rows
         if parse_strategy(s).family == "static"
+        and parse_strategy(s).batch_mode is None
         and parse_strategy(s).compressor == parsed.compressor
     ]
     if parsed.family == "accordion":

@@ -68,6 +68,12 @@ _FAMILY_COLOURS = {
 # families we do not know get one of these, chosen by a stable hash of the family name
 _FALLBACK_COLOURS = ("#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 _FAMILY_LINESTYLES = {"static": "--", "torch-powersgd": "-."}
+# batch-size strategies: (colour, line style) per kind
+_BATCH_STYLES = {
+    "static-batch": ("#7f7f7f", "--"),
+    "batch": ("#17becf", "-"),
+    "batch-fixed": ("#8c564b", "-."),
+}
 
 # heatmap colours: mild (critical regime) warm and dark, aggressive cool and light
 _MILD_COLOUR = "#b2182b"
@@ -246,6 +252,11 @@ def strategy_style(strategy: str) -> dict[str, Any]:
     levels are lighter shades of it. Static strategies are dashed, PyTorch's dash-dotted,
     Accordion and dense solid. Returns ``{"color", "linestyle", "linewidth"}``.
     """
+    batch_kind, comm = strategy.partition(":")[0], strategy.partition("+")[2]
+    if batch_kind in _BATCH_STYLES:
+        colour, linestyle = _BATCH_STYLES[batch_kind]
+        # a batch strategy combined with compression: the same hue, dotted
+        return {"color": colour, "linestyle": ":" if comm else linestyle, "linewidth": 2.0}
     kind, compressor, levels = _family(strategy)
     key = kind if kind in ("dense", "torch-powersgd") else f"{kind}:{compressor}"
     base = _FAMILY_COLOURS.get(key)
@@ -799,10 +810,52 @@ def _file_part(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "accordion"
 
 
+def _is_batch_strategy(strategy: str) -> bool:
+    return strategy.split(":", 1)[0] in ("batch", "batch-fixed", "static-batch")
+
+
+def plot_batch_size(results: Mapping[str, Any], path: str | Path) -> Path:
+    """Global batch size (samples per optimizer step) vs epoch for the batch-size
+    strategies, first seed of each, with the decays marked. Returns ``path``."""
+    runs = [r for r in _runs(results) if _is_batch_strategy(r["strategy"])]
+    if not runs:
+        strategies = sorted({r["strategy"] for r in _runs(results)})
+        raise ValueError(f"no batch-size strategy among {strategies}")
+    fig = _figure()
+    ax = fig.add_subplot()
+    x_min, x_max = math.inf, -math.inf
+    for strategy, strategy_runs in _by_strategy(runs).items():
+        run = sorted(strategy_runs, key=_seed_key)[0]
+        series = _series(run, "batch_size")
+        if not series:
+            continue
+        epochs = np.array(sorted(series))
+        ax.step(epochs, [series[e] for e in epochs], where="mid", label=strategy,
+                **strategy_style(strategy))  # fmt: skip
+        x_min, x_max = min(x_min, epochs[0]), max(x_max, epochs[-1])
+    if not math.isfinite(x_min):
+        x_min, x_max = 0, 1
+    ax.set_xlim(x_min - 0.5, x_max + 0.5)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    handles, _ = ax.get_legend_handles_labels()
+    drawn = _draw_decays(ax, _decay_epochs(results), (x_min - 0.5, x_max + 0.5))
+    if drawn:
+        handles.append(_decay_handle(drawn))
+    _integer_epochs(ax)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("global batch (samples per step)")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"Batch size per epoch (first seed)\n{_context(results, runs)}")
+    ax.legend(handles=handles, fontsize=_LEGEND_FONTSIZE, **_LEGEND_OUTSIDE)
+    return _save(fig, path)
+
+
 def plot_all(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     """Write every plot of ``results`` into ``out_dir`` (created if missing).
 
-    Always ``accuracy.png`` and ``data_sent.png``; with Accordion runs, ``levels.png`` and
+    Always ``accuracy.png`` and ``data_sent.png``; with batch-size strategies
+    ``batch_size.png``; with Accordion runs, ``levels.png`` and
     ``norm_ratios.png`` for the first Accordion strategy, or, when several Accordion
     families exist (``accordion:powersgd`` and ``accordion:topk``), ``levels-FAMILY.png``
     and ``norm_ratios-FAMILY.png`` for the first strategy of each. Returns the paths written.
@@ -827,4 +880,6 @@ def plot_all(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         for family, strategy in families.items():
             name = f"norm_ratios-{_file_part(family)}.png"
             written.append(plot_norm_ratios(results, out / name, strategy))
+    if any(_is_batch_strategy(r["strategy"]) for r in runs):
+        written.append(plot_batch_size(results, out / "batch_size.png"))
     return written

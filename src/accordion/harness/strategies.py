@@ -6,10 +6,20 @@
 ``accordion:powersgd:MILD,AGG``     our hook, Accordion switching ranks MILD and AGG
 ``accordion:topk:MILD,AGG``         our hook, Accordion switching fractions MILD and AGG
 ``torch-powersgd:R``                PyTorch's own ``powerSGD_hook`` at rank R (outside baseline)
+
+Batch-size strategies (Accordion's second lever), dense communication by default:
+
+``static-batch:B``                  global batch B throughout
+``batch:SMALL,LARGE``               Accordion's rule picks SMALL or LARGE each interval
+``batch-fixed:SMALL,LARGE``         SMALL for the first epochs, then LARGE (what the paper ran)
+
+A batch strategy combines with a compression strategy through ``+``, e.g.
+``batch:64,512+accordion:powersgd:4,1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +32,12 @@ FORMATS = (
     "accordion:powersgd:MILD,AGGRESSIVE",
     "accordion:topk:MILD,AGGRESSIVE",
     "torch-powersgd:R",
+    "static-batch:B",
+    "batch:SMALL,LARGE",
+    "batch-fixed:SMALL,LARGE",
+    "<batch strategy>+<compression strategy>",
 )
+BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,9 @@ class Strategy:
     compressor: str
     mild: Any = None
     aggressive: Any = None
+    batch_mode: str | None = None  # None, "static", "adaptive" or "fixed"
+    batch_small: int | None = None  # global batch sizes
+    batch_large: int | None = None
 
     @property
     def uses_accordion_hook(self) -> bool:
@@ -56,12 +74,58 @@ def _level(compressor: str, text: str, whole: str) -> Any:
         raise ValueError(f"strategy {whole!r}: level {text!r} must be {allowed} ({exc})") from None
 
 
+def _batch_size(text: str, whole: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"strategy {whole!r}: batch size {text!r} must be an integer >= 1")
+    return value
+
+
+def _parse_batch(text: str, whole: str) -> tuple[str, int, int] | None:
+    kind, _, sizes = text.partition(":")
+    if kind not in BATCH_MODES:
+        return None
+    mode = BATCH_MODES[kind]
+    items = sizes.split(",")
+    if mode == "static":
+        if len(items) != 1:
+            raise ValueError(f"strategy {whole!r}: static-batch takes one size, static-batch:B")
+        size = _batch_size(items[0], whole)
+        return mode, size, size
+    if len(items) != 2:
+        raise ValueError(f"strategy {whole!r}: {kind} takes two sizes, {kind}:SMALL,LARGE")
+    small, large = (_batch_size(item, whole) for item in items)
+    if small >= large:
+        raise ValueError(f"strategy {whole!r}: SMALL ({small}) must be < LARGE ({large})")
+    return mode, small, large
+
+
 def parse_strategy(text: str) -> Strategy:
     """Parse a strategy string; raises ``ValueError`` listing the formats if malformed."""
     if not isinstance(text, str):
         raise TypeError(f"strategy must be a str, got {type(text).__name__}")
+    first, plus, rest = text.strip().partition("+")
+    batch = _parse_batch(first, text)
+    if batch is not None:
+        comm = _parse_communication(rest, text) if plus else Strategy(text, "dense", "dense")
+        mode, small, large = batch
+        return dataclasses.replace(
+            comm, text=text, batch_mode=mode, batch_small=small, batch_large=large
+        )
+    if plus:
+        raise ValueError(
+            f"strategy {text!r}: only a batch strategy combines with '+', "
+            "e.g. batch:64,512+accordion:powersgd:4,1"
+        )
+    return _parse_communication(text, text)
+
+
+def _parse_communication(text: str, whole: str) -> Strategy:
     parts = text.strip().split(":")
-    bad = ValueError(f"strategy must have one of the forms {', '.join(FORMATS)}; got {text!r}")
+    bad = ValueError(f"strategy must have one of the forms {', '.join(FORMATS)}; got {whole!r}")
     if parts == ["dense"]:
         return Strategy(text, "dense", "dense")
     if len(parts) == 2 and parts[0] == "torch-powersgd":

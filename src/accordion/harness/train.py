@@ -7,6 +7,7 @@ PyTorch's own ``powerSGD_hook``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -23,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..accounting import is_compressible, matrix_shape, paper_floats, powersgd_rank, wire_bytes
+from ..batch import BatchSizeController, accumulation_loss_scale
 from ..compress import PowerSGD
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
@@ -70,6 +72,9 @@ class TrainConfig:
     train_samples: int | None = None
     test_samples: int | None = None
     synthetic_shape: tuple[int, ...] = (3, 32, 32)  # one sample of the synthetic task
+    batch_switch_epoch: int = 20  # batch-fixed: first epoch at the large batch
+    lr_scaling: str = "linear"  # learning rate vs batch size: "linear" or "sqrt"
+    batch_warmup_steps: int = 5  # optimizer steps of warm-up after a switch to a larger batch
     bptt: int = 30
     clip: float | None = None  # gradient-norm clipping (the LSTM preset uses 0.4)
     threads: int | None = None
@@ -99,8 +104,20 @@ class TrainConfig:
                 f"on_rank_change must be one of {PowerSGD.RANK_CHANGE_POLICIES} or None, "
                 f"got {self.on_rank_change!r}"
             )
+        if self.lr_scaling not in ("linear", "sqrt"):
+            raise ValueError(f"lr_scaling must be 'linear' or 'sqrt', got {self.lr_scaling!r}")
+        for name in ("batch_switch_epoch", "batch_warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be a positive number or None, got {self.clip!r}")
+
+    def batch_lr_scale(self, batch: int) -> float:
+        """Learning-rate multiplier for a global batch ``batch``: ``lr`` is the rate at
+        ``batch_size``, scaled linearly (or by the square root) with the batch."""
+        ratio = batch / self.batch_size
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
 
     def lr_at(self, epoch: float) -> float:
         """Learning rate at fractional epoch ``epoch`` (step ``s`` of epoch ``e`` is
@@ -151,6 +168,7 @@ class RunResult:
     checks: list[dict[str, Any]] = field(default_factory=list)
     mild: Any = None
     aggressive: Any = None
+    batch_checks: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (the ``runs`` entries of ``results.json``)."""
@@ -280,23 +298,53 @@ def _evaluate(model: nn.Module, data, config: TrainConfig, rank: int, world: int
     return 100.0 * totals[0].item() / max(totals[1].item(), 1.0)
 
 
-def _train_batches(data, config: TrainConfig, rank: int, world: int, epoch: int):
+def _train_batches(data, config: TrainConfig, rank: int, world: int, epoch: int, batch: int):
     if isinstance(data, LanguageData):
         return language_batches(
-            data.train, batch_size_per_rank=config.batch_size // world, rank=rank,
+            data.train, batch_size_per_rank=batch // world, rank=rank,
             world_size=world, bptt=config.bptt,
         )  # fmt: skip
     return classification_batches(
-        data, global_batch=config.batch_size, rank=rank, world_size=world, epoch=epoch,
-        seed=config.seed,
+        data, global_batch=batch, rank=rank, world_size=world, epoch=epoch, seed=config.seed,
     )  # fmt: skip
 
 
-def _steps_per_epoch(data, config: TrainConfig, world: int) -> int:
+def _steps_per_epoch(data, config: TrainConfig, world: int, batch: int) -> int:
     if isinstance(data, LanguageData):
-        columns = (config.batch_size // world) * world
+        columns = (batch // world) * world
         return math.ceil((data.train.numel() // columns - 1) / config.bptt)
-    return data.x_train.shape[0] // config.batch_size
+    return data.x_train.shape[0] // batch
+
+
+def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int):
+    """The batch-size controller of an adaptive or fixed batch strategy, else ``None``."""
+    if strategy.batch_mode is None:
+        return None
+    if isinstance(data, LanguageData):
+        raise ValueError(
+            f"strategy {strategy.text!r}: batch-size strategies support classification tasks, "
+            f"not {config.task!r}"
+        )
+    for size in (strategy.batch_small, strategy.batch_large):
+        if size % world:
+            raise ValueError(
+                f"strategy {strategy.text!r}: batch {size} must be a multiple of the number "
+                f"of workers ({world})"
+            )
+    if strategy.batch_mode == "static":
+        return None
+    return BatchSizeController(
+        strategy.batch_small, strategy.batch_large, micro_batch=strategy.batch_small // world,
+        world_size=world, interval=config.interval, eta=config.eta, mode=strategy.batch_mode,
+        fixed_switch_epoch=config.batch_switch_epoch, lr_scaling=config.lr_scaling,
+        warmup_steps=config.batch_warmup_steps,
+    )  # fmt: skip
+
+
+def _global_batch(config: TrainConfig, strategy: Strategy, controller) -> int:
+    if controller is not None:
+        return controller.batch_size
+    return strategy.batch_small or config.batch_size
 
 
 class _Logger:
@@ -370,6 +418,7 @@ def train_run(
             f"batch_size ({config.batch_size}) must be a multiple of the number of workers "
             f"({world})"
         )
+    controller = _batch_controller(config, strategy, data, world)
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = _build_model(config, data).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -379,7 +428,6 @@ def train_run(
         model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
         weight_decay=config.weight_decay,
     )  # fmt: skip
-    steps_per_epoch = max(1, _steps_per_epoch(data, config, world))
     logger = _Logger(config.out if rank == 0 else None, config)
     result = RunResult(config.strategy, config.seed, mild=strategy.mild,
                        aggressive=strategy.aggressive)  # fmt: skip
@@ -387,16 +435,22 @@ def train_run(
     bar = _progress_bar(config) if rank == 0 else None
     for epoch in range(config.epochs):
         levels = state.levels() if state is not None else {}
+        batch = _global_batch(config, strategy, controller)
+        steps_per_epoch = max(1, _steps_per_epoch(data, config, world, batch))
         if world > 1:
             dist.barrier()  # time the same span of work on every rank
         start = time.perf_counter()
         loss_sum, batches = _train_epoch(
-            ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device, traffic
-        )
+            ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device, traffic,
+            batch, controller,
+        )  # fmt: skip
         train_time += time.perf_counter() - start
         next_lr = config.lr_at(epoch + 1)
         if state is not None:
             state.end_epoch(next_lr=next_lr)
+        if controller is not None:
+            last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
+            controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
         metric = _evaluate(model, data, config, rank, world, device)
         loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
         if world > 1:
@@ -410,6 +464,7 @@ def train_run(
             "bytes": nbytes,
             "train_time_s": train_time,
             "lr": optimizer.param_groups[0]["lr"],
+            "batch_size": batch,
             "levels": levels,
         }
         result.epochs.append(record)
@@ -425,6 +480,8 @@ def train_run(
     if bar is not None:
         bar.close()
     result.checks = state.stats()["checks"] if state is not None else []
+    if controller is not None:
+        result.batch_checks = controller.checks
     logger.close(result.checks)
     return result
 
@@ -440,13 +497,22 @@ def _progress_bar(config: TrainConfig):
 
 
 def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
-                 traffic: _Traffic) -> tuple[float, int]:  # fmt: skip
+                 traffic: _Traffic, batch: int, controller) -> tuple[float, int]:  # fmt: skip
+    """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
+    controller, each rank's share is split into micro-batches whose gradients accumulate
+    under ``no_sync()``: one all-reduce and one optimizer step per global batch."""
     ddp.train()
     loss_sum, count = 0.0, 0
     hidden = None
     language = isinstance(data, LanguageData)
-    for step, (x, y) in enumerate(_train_batches(data, config, rank, world, epoch)):
-        lr = config.lr_at(epoch + step / steps_per_epoch)
+    accumulation = controller.accumulation_steps if controller is not None else 1
+    # lr is the rate at config.batch_size; the controller scales from its small batch on
+    lr_scale = config.batch_lr_scale(controller.small if controller is not None else batch)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    for step, (x, y) in enumerate(_train_batches(data, config, rank, world, epoch, batch)):
+        lr = config.lr_at(epoch + step / steps_per_epoch) * lr_scale
+        if controller is not None:
+            lr *= controller.lr_factor()
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -456,17 +522,36 @@ def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epo
                 hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
             logits, hidden = ddp(x, hidden)
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            step_loss = loss.item()
         else:
-            loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
+            step_loss = _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation))
         if config.clip is not None:
             # DDP averages inside backward, so this clips the averaged gradient
             nn.utils.clip_grad_norm_(ddp.parameters(), config.clip)
+        if controller is not None:
+            controller.observe([p.grad for p in params if p.grad is not None])
         optimizer.step()
+        if controller is not None:
+            controller.step()
         traffic.step()
-        loss_sum += loss.item()
+        loss_sum += step_loss
         count += 1
     return loss_sum, count
+
+
+def _accumulate(ddp: DDP, xs, ys) -> float:
+    """Forward/backward over micro-batches; only the last one synchronises (one all-reduce
+    of the summed gradients). Returns the global-batch loss on this rank."""
+    scale = accumulation_loss_scale(len(xs))
+    total = 0.0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        sync = i == len(xs) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            loss = nn.functional.cross_entropy(ddp(x), y) * scale
+            loss.backward()
+        total += loss.item()
+    return total
 
 
 def run_many(
