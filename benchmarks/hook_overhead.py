@@ -1,0 +1,151 @@
+"""Step time of our hook against plain DDP and PyTorch's PowerSGD hooks, side by side.
+
+Two local gloo workers train ResNet-18 (CIFAR layout) on CIFAR-shaped random data. For
+each configuration the script measures the median step time (forward, backward with the
+hook, optimizer step) over ``--steps`` steps after ``--warmup`` steps, repeated ``--reps``
+times in interleaved order (so that a slow phase of the machine hits every configuration),
+and prints each median with its spread, and the ratio to PyTorch's ``powerSGD_hook`` at
+the same rank. It also times our compression alone (one process, no communication) per
+step.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/hook_overhead.py --steps 20 --reps 3
+
+Numbers depend on the machine; on a shared 2-core machine expect noise of several percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accordion.compress import PowerSGD, Reducer, SimulatedTransport
+from accordion.ddp import AccordionState, accordion_hook
+from accordion.models import get_model
+
+RANKS = (1, 2, 4)
+
+
+def configurations() -> list[tuple[str, str, int | None]]:
+    configs = [("plain DDP", "ddp", None)]
+    for rank in RANKS:
+        configs += [
+            (f"torch powerSGD_hook r{rank}", "torch", rank),
+            (f"torch batched_powerSGD_hook r{rank}", "torch-batched", rank),
+            (f"accordion static r{rank}", "ours", rank),
+        ]
+    configs.append(("accordion adaptive 4,1", "adaptive", 4))
+    return configs
+
+
+def attach(kind: str, rank: int | None, net: nn.Module, model: DDP) -> None:
+    if kind in ("torch", "torch-batched"):
+        state = torch_psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+            min_compression_rate=2, use_error_feedback=True, warm_start=True,
+        )  # fmt: skip
+        hook = torch_psgd.powerSGD_hook if kind == "torch" else torch_psgd.batched_powerSGD_hook
+        model.register_comm_hook(state, hook)
+    elif kind == "ours":
+        model.register_comm_hook(AccordionState(net, "powersgd", rank, rank), accordion_hook)
+    elif kind == "adaptive":
+        # interval 1 and a tiny eta: levels keep switching, the costliest case
+        state = AccordionState(net, "powersgd", 4, 1, interval=1, eta=1e-3)
+        model.register_comm_hook(state, accordion_hook)
+
+
+def step_times(kind, rank, batch, warmup, steps, world) -> list[float]:
+    torch.manual_seed(0)
+    net = get_model("resnet18")
+    model = DDP(net)
+    attach(kind, rank, net, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest does
+        if i >= warmup:
+            times.append(elapsed.item())
+    return times
+
+
+def worker(rank, world, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        for name, kind, r in configurations():
+            times = step_times(kind, r, args.batch, args.warmup, args.steps, world)
+            results.setdefault(name, []).append(statistics.median(times))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
+
+
+def compression_only(rank: int, steps: int = 20) -> float:
+    """Seconds per step of our PowerSGD compression of ResNet-18's gradients, no network."""
+    net = get_model("resnet18")
+    names = [n for n, _ in net.named_parameters()]
+    grads = [torch.randn_like(p) for p in net.parameters()]
+    reducer, world = Reducer(PowerSGD(rank)), SimulatedTransport(1)
+    for _ in range(3):
+        world.run([reducer.exchange(names, [g.clone() for g in grads], 1)])
+    start = time.perf_counter()
+    for _ in range(steps):
+        world.run([reducer.exchange(names, [g.clone() for g in grads], 1)])
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=16, help="samples per worker per step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.pt")
+        mp.start_processes(worker, args=(2, port, args, out), nprocs=2, start_method="spawn")
+        results = torch.load(out)
+    torch.set_num_threads(args.threads)
+    print(
+        f"ResNet-18, 2 gloo workers, batch {args.batch}/worker, median of {args.steps} steps "
+        f"after {args.warmup}, {args.reps} interleaved repetitions (min-max of the medians)"
+    )
+    print(f"{'configuration':<34} {'step ms':>9} {'spread':>15} {'vs torch hook':>14}")
+    for name, _, rank in configurations():
+        medians = results[name]
+        mid = statistics.median(medians)
+        ref = results.get(f"torch powerSGD_hook r{rank}") if rank else None
+        ratio = f"{mid / statistics.median(ref):.2f}x" if ref and "adaptive" not in name else "-"
+        spread = f"{min(medians) * 1e3:.0f}-{max(medians) * 1e3:.0f}"
+        print(f"{name:<34} {mid * 1e3:>9.1f} {spread:>15} {ratio:>14}")
+    for rank in RANKS:
+        print(f"our compression alone, rank {rank}: {compression_only(rank) * 1e3:.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
