@@ -172,6 +172,7 @@ class TorchTransport:
         self._lock = threading.Lock()
         self._queue: deque[tuple[Exchange[Any], torch.futures.Future]] = deque()
         self._busy = False
+        self._threads = torch.get_num_threads()  # the caller's intra-op threads
 
     def _issue(self, op: Collective) -> tuple[torch.futures.Future, Callable[[], Any]]:
         dist = self._dist
@@ -241,6 +242,7 @@ class TorchTransport:
         """
         done: torch.futures.Future = torch.futures.Future()
         with self._lock:
+            self._threads = torch.get_num_threads()
             self._queue.append((exchange, done))
             if self._busy:
                 return done
@@ -265,6 +267,11 @@ class TorchTransport:
                 done.set_exception(error)
 
         def advance(reply: Any) -> None:
+            # Completion callbacks run on the backend's threads, whose OpenMP pools have
+            # the machine's default size: without this, their kernels oversubscribe the
+            # cores and reduce in a different order (results not reproducible).
+            if torch.get_num_threads() != self._threads:
+                torch.set_num_threads(self._threads)
             try:
                 phase = exchange.send(reply)
                 futures, collect = self._issue_phase(phase)
