@@ -38,7 +38,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .accounting import Ledger, is_compressible, paper_floats, wire_bytes
-from .compress import ErrorFeedback, Reducer, SimulatedTransport, TorchTransport, make_compressor
+from .compress import (
+    ErrorFeedback,
+    PowerSGD,
+    Reducer,
+    SimulatedTransport,
+    TorchTransport,
+    make_compressor,
+)
 from .regime import RegimeDetector, StepRegimeDetector
 
 #: Default (mild, aggressive) levels per compressor: the paper's ResNet-18 settings.
@@ -128,14 +135,7 @@ class AccordionState:
         mild = default_mild if mild is None else mild
         aggressive = default_aggressive if aggressive is None else aggressive
         if compressor == "powersgd":
-            comp = make_compressor(compressor, mild)
-            comp.seed = seed
-            if on_rank_change not in comp.RANK_CHANGE_POLICIES:
-                raise ValueError(
-                    f"on_rank_change must be one of {comp.RANK_CHANGE_POLICIES}, "
-                    f"got {on_rank_change!r}"
-                )
-            comp.on_rank_change = on_rank_change
+            comp = PowerSGD(mild, seed=seed, on_rank_change=on_rank_change)
         else:
             comp = make_compressor(compressor, mild)
         aggressive = comp.check_level(aggressive)
