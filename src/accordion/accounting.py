@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._validate import check_int
+
 #: Names of the compressor kinds that the accounting knows.
 KINDS = ("dense", "powersgd", "topk")
 
@@ -42,11 +44,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 def check_world_size(world_size: int) -> int:
     """Validate a number of workers (an int >= 1) and return it."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int >= 1, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
-    return world_size
+    return check_int("world_size", world_size, 1)
 
 
 def check_rank(rank: Any) -> int:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ._validate import check_int
 from .regime import RegimeDetector
 
 __all__ = ["MODES", "LR_SCALINGS", "BatchSizeController", "accumulation_loss_scale"]
@@ -85,15 +86,6 @@ _STATE_KEYS = frozenset(
 )
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    # bool is an int subclass, but True as a batch size is always a caller's mistake
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {allowed}, got {value!r}")
@@ -113,7 +105,7 @@ def accumulation_loss_scale(accumulation_steps: int) -> float:
     Args:
         accumulation_steps: micro-batches per optimizer step on one worker (an int >= 1).
     """
-    return 1.0 / _check_int("accumulation_steps", accumulation_steps, 1)
+    return 1.0 / check_int("accumulation_steps", accumulation_steps, 1)
 
 
 class BatchSizeController:
@@ -177,10 +169,10 @@ class BatchSizeController:
         lr_scaling: str = "linear",
         warmup_steps: int = 0,
     ) -> None:
-        self._small = _check_int("small", small, 1)
-        self._large = _check_int("large", large, 1)
-        self._micro_batch = _check_int("micro_batch", micro_batch, 1)
-        self._world_size = _check_int("world_size", world_size, 1)
+        self._small = check_int("small", small, 1)
+        self._large = check_int("large", large, 1)
+        self._micro_batch = check_int("micro_batch", micro_batch, 1)
+        self._world_size = check_int("world_size", world_size, 1)
         if self._large <= self._small:
             raise ValueError(
                 f"small must be < large (global batch sizes, samples per optimizer step), "
@@ -196,8 +188,8 @@ class BatchSizeController:
                 )
         self._mode = _check_choice("mode", mode, MODES)
         self._lr_scaling = _check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
-        self._warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self._fixed_switch_epoch = _check_int("fixed_switch_epoch", fixed_switch_epoch, 0)
+        self._warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self._fixed_switch_epoch = check_int("fixed_switch_epoch", fixed_switch_epoch, 0)
         # the rule lives in one place: interval and eta are validated (and used) there
         self._detector = RegimeDetector(interval=interval, eta=eta)
 
@@ -370,7 +362,7 @@ class BatchSizeController:
                 without any :meth:`observe` call (they accumulate only in
                 :attr:`current_epoch`, so epochs skipped before a check lose its statistic).
         """
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         if not isinstance(lr_will_decay, bool):
             raise TypeError(f"lr_will_decay must be a bool, got {lr_will_decay!r}")
         if self._last_epoch is not None and epoch <= self._last_epoch:
@@ -439,7 +431,7 @@ class BatchSizeController:
         if steps_since_switch is None:
             steps = self._steps_since_switch
         else:
-            steps = _check_int("steps_since_switch", steps_since_switch, 0)
+            steps = check_int("steps_since_switch", steps_since_switch, 0)
         target = self._target_factor()
         if self._warmup_from is None or steps >= self._warmup_steps:
             return target
@@ -459,8 +451,8 @@ class BatchSizeController:
                 the model's parameter count for a dense all-reduce.
             samples_per_epoch: training samples in one epoch over all workers (>= 0).
         """
-        floats = _check_int("model_floats_per_step", model_floats_per_step, 0)
-        samples = _check_int("samples_per_epoch", samples_per_epoch, 0)
+        floats = check_int("model_floats_per_step", model_floats_per_step, 0)
+        samples = check_int("samples_per_epoch", samples_per_epoch, 0)
         return floats * (samples // self._batch_size)
 
     def check_resumable(self, micro_steps_done: int) -> int:
@@ -478,7 +470,7 @@ class BatchSizeController:
             ValueError: ``micro_steps_done`` is not a multiple of :attr:`accumulation_steps`:
                 the partly accumulated gradients are not in any checkpoint.
         """
-        micro = _check_int("micro_steps_done", micro_steps_done, 0)
+        micro = check_int("micro_steps_done", micro_steps_done, 0)
         if micro % self.accumulation_steps:
             raise ValueError(
                 f"resume in the middle of an accumulation window (micro_steps_done={micro}, "
@@ -567,8 +559,8 @@ class BatchSizeController:
             )
         last_epoch = state["last_epoch"]
         if last_epoch is not None:
-            last_epoch = _check_int("state['last_epoch']", last_epoch, 0)
-        steps_since_switch = _check_int(
+            last_epoch = check_int("state['last_epoch']", last_epoch, 0)
+        steps_since_switch = check_int(
             "state['steps_since_switch']", state["steps_since_switch"], 0
         )
         warmup_from = state["warmup_from"]
@@ -579,7 +571,7 @@ class BatchSizeController:
                     f"got {warmup_from!r}"
                 )
             warmup_from = float(warmup_from)
-        observed_steps = _check_int("state['observed_steps']", state["observed_steps"], 0)
+        observed_steps = check_int("state['observed_steps']", state["observed_steps"], 0)
         accumulator = state["accumulator"]
         if accumulator is not None:
             if not isinstance(accumulator, (list, tuple)) or not all(

@@ -30,21 +30,14 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from ._validate import check_int
+
 __all__ = ["RegimeDetector", "StepRegimeDetector"]
 
 _STATE_KEYS = frozenset(
     {"interval", "eta", "last_epoch", "norms", "critical", "decay_override", "history"}
 )
 _STEP_STATE_KEYS = frozenset({"interval_steps", "windows", "detector"})
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    # bool is an int subclass, but True as an interval or epoch is always a caller's mistake
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _check_eta(eta: Any) -> float:
@@ -143,7 +136,7 @@ class RegimeDetector:
     """
 
     def __init__(self, interval: int = 10, eta: float = 0.5) -> None:
-        self._interval = _check_count("interval", interval, 1)
+        self._interval = check_int("interval", interval, 1)
         self._eta = _check_eta(eta)
         self._last_epoch: int | None = None
         # norms remembered at the last check, compared at the next one
@@ -183,7 +176,7 @@ class RegimeDetector:
         In other epochs the norms are ignored, so a caller may skip accumulating the
         epoch-summed gradients and pass ``{}``.
         """
-        epoch = _check_count("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         return epoch % self._interval == 0
 
     def end_epoch(
@@ -213,7 +206,7 @@ class RegimeDetector:
             ValueError: ``epoch`` not after the last one, a norm that is negative, NaN or
                 infinite, or empty ``norms`` at a check epoch.
         """
-        epoch = _check_count("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         checked = _check_norms(norms)
         lr_will_decay = _check_bool("lr_will_decay", lr_will_decay)
         if self._last_epoch is not None and epoch <= self._last_epoch:
@@ -293,7 +286,7 @@ class RegimeDetector:
             )
         last_epoch = state["last_epoch"]
         if last_epoch is not None:
-            last_epoch = _check_count("state['last_epoch']", last_epoch, 0)
+            last_epoch = check_int("state['last_epoch']", last_epoch, 0)
         norms = _check_norms(state["norms"])
         critical = state["critical"]
         if not isinstance(critical, Mapping) or not all(
@@ -330,7 +323,7 @@ class StepRegimeDetector:
     """
 
     def __init__(self, interval_steps: int, eta: float = 0.5) -> None:
-        self._interval_steps = _check_count("interval_steps", interval_steps, 1)
+        self._interval_steps = check_int("interval_steps", interval_steps, 1)
         self._detector = RegimeDetector(interval=1, eta=eta)
         # windows ended so far, i.e. the index of the next window
         self._windows = 0
@@ -362,12 +355,12 @@ class StepRegimeDetector:
 
     def needs_statistic(self, step: int) -> bool:
         """Always True (``step`` >= 0 is validated): every window is compared with the last."""
-        _check_count("step", step, 0)
+        check_int("step", step, 0)
         return True
 
     def window_ends(self, step: int) -> bool:
         """Whether 0-based optimizer step ``step`` is the last of its window."""
-        step = _check_count("step", step, 0)
+        step = check_int("step", step, 0)
         return (step + 1) % self._interval_steps == 0
 
     def end_window(
@@ -411,7 +404,7 @@ class StepRegimeDetector:
                 f"detector's interval_steps is {self._interval_steps}: build the detector "
                 f"with the same interval_steps"
             )
-        windows = _check_count("state['windows']", state["windows"], 0)
+        windows = check_int("state['windows']", state["windows"], 0)
         # load into a fresh detector first, so that a bad state leaves this one untouched
         detector = RegimeDetector(interval=1, eta=self._detector.eta)
         detector.load_state_dict(state["detector"])
