@@ -219,3 +219,15 @@ def test_local_workers_return_a_result_larger_than_a_pipe_buffer():
     from accordion.harness.launch import run_distributed
 
     assert run_distributed(_large_result, 2) == list(range(300_000))
+
+
+def test_the_cli_rejects_an_unknown_preset_and_knows_the_papers(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "imagenet-resnet50"])
+    err = capsys.readouterr().err
+    assert "--preset" in err and "cifar10-resnet18" in err and "wikitext2-lstm" in err
+
+
+def test_a_bad_batch_strategy_is_rejected_before_any_process_starts(tmp_path):
+    with pytest.raises(ValueError, match="SMALL"):
+        run_compare(TrainConfig(**TINY), ["batch:64,32"], seeds=1, workers=2, out=tmp_path)
