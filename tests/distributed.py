@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 import time
 
 import torch
@@ -11,17 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # a file rendezvous: a TCP port picked as free can be taken again before the workers bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -37,9 +31,11 @@ def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     workers and raises ``TimeoutError`` if they have not finished after ``timeout`` s,
     so that a hang fails fast.
     """
+    store_dir = tempfile.mkdtemp(prefix="accordion-test-")
+    store = os.path.join(store_dir, "store")
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), args),
+        args=(fn, world_size, store, args),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -51,3 +47,4 @@ def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"distributed workers did not finish within {timeout} s")
+    shutil.rmtree(store_dir, ignore_errors=True)

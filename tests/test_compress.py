@@ -25,6 +25,11 @@ from accordion.compress import (
 )
 
 
+def sent_p(phase, n):
+    """The P factor (n x r) carried by a PowerSGD first phase (stored transposed)."""
+    return phase[0].tensor.view(-1, n).t()
+
+
 def run_workers(reducers, keys, grads_per_worker):
     """One step of simulated workers; grads are replaced in place by the averages."""
     world = SimulatedTransport(len(reducers))
@@ -94,8 +99,8 @@ def test_powersgd_redraw_policy_redraws_q_from_the_shared_seed_at_a_rank_change(
     captured = []
     ex = comp.exchange(["w"], [m.clone()], 1)
     phase = next(ex)
-    captured.append(phase[0].tensor.clone())
-    torch.testing.assert_close(captured[0], expected_p.reshape(-1))
+    captured.append(sent_p(phase, 8).clone())
+    torch.testing.assert_close(captured[0], expected_p)
 
 
 def test_powersgd_reuses_leading_q_columns_by_default_when_the_rank_shrinks():
@@ -105,7 +110,7 @@ def test_powersgd_reuses_leading_q_columns_by_default_when_the_rank_shrinks():
     comp.set_level(1)
     m = torch.randn(8, 6)
     phase = next(comp.exchange(["w"], [m.clone()], 1))
-    torch.testing.assert_close(phase[0].tensor, (m @ q4[:, :1]).reshape(-1))
+    torch.testing.assert_close(sent_p(phase, 8), m @ q4[:, :1])
 
 
 def test_powersgd_reuse_policy_appends_seed_columns_when_the_rank_grows():
@@ -117,7 +122,7 @@ def test_powersgd_reuse_policy_appends_seed_columns_when_the_rank_grows():
     seed_q = comp.initial_q("w", 6, 3, torch.float32, torch.device("cpu"))
     expected = m @ torch.cat([q1, seed_q[:, 1:]], dim=1)
     phase = next(comp.exchange(["w"], [m.clone()], 1))
-    torch.testing.assert_close(phase[0].tensor, expected.reshape(-1))
+    torch.testing.assert_close(sent_p(phase, 8), expected)
 
 
 def test_powersgd_rejects_an_unknown_rank_change_policy():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -29,24 +28,16 @@ def default_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shutdown() -> None:
     # gloo on torch 2.13 may abort at exit unless every rank passes a barrier first
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, fn, world: int, port: int, result_path: str, args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )  # fmt: skip
-    dist.init_process_group(backend(), rank=rank, world_size=world)
+def _spawned(rank: int, fn, world: int, store: str, result_path: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # a file rendezvous: a TCP port picked as free can be taken before the workers bind it
+    dist.init_process_group(backend(), init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, rank, *args)
     finally:
@@ -80,8 +71,9 @@ def run_distributed(fn: Callable[..., Any], workers: int, *args: Any) -> Any:
         return fn(0, 1, 0, *args)
     with tempfile.TemporaryDirectory(prefix="accordion-") as tmp:
         result_path = os.path.join(tmp, "result.pkl")
+        store = os.path.join(tmp, "store")
         mp.start_processes(
-            _spawned, args=(fn, workers, _free_port(), result_path, args), nprocs=workers,
+            _spawned, args=(fn, workers, store, result_path, args), nprocs=workers,
             join=True, start_method="spawn",
         )  # fmt: skip
         with open(result_path, "rb") as f:
