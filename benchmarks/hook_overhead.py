@@ -34,6 +34,9 @@ from accordion.ddp import AccordionState, accordion_hook
 from accordion.models import get_model
 
 RANKS = (1, 2, 4)
+# torch 2.13's batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which asserts
+# 3-D (AssertionError on the first compressed step); it is measured where it works.
+BATCHED_WORKS = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def configurations() -> list[tuple[str, str, int | None]]:
@@ -41,9 +44,10 @@ def configurations() -> list[tuple[str, str, int | None]]:
     for rank in RANKS:
         configs += [
             (f"torch powerSGD_hook r{rank}", "torch", rank),
-            (f"torch batched_powerSGD_hook r{rank}", "torch-batched", rank),
             (f"accordion static r{rank}", "ours", rank),
         ]
+        if BATCHED_WORKS:
+            configs.append((f"torch batched_powerSGD_hook r{rank}", "torch-batched", rank))
     configs.append(("accordion adaptive 4,1", "adaptive", 4))
     return configs
 
@@ -59,7 +63,7 @@ def attach(kind: str, rank: int | None, net: nn.Module, model: DDP) -> None:
     elif kind == "ours":
         model.register_comm_hook(AccordionState(net, "powersgd", rank, rank), accordion_hook)
     elif kind == "adaptive":
-        # interval 1 and a tiny eta: levels keep switching, the costliest case
+        # no epoch ends within the run: rank 4 plus the check epoch's accumulation
         state = AccordionState(net, "powersgd", 4, 1, interval=1, eta=1e-3)
         model.register_comm_hook(state, accordion_hook)
 
