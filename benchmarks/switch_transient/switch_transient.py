@@ -329,12 +329,17 @@ def ms(vals, pct=True):
     return f"{a.mean():.3g} ± {a.std(ddof=1):.2g}"
 
 
+def _at_switch(run, epoch):
+    """Whether ``run`` switched after ``epoch`` (or is a no-switch run measured there)."""
+    return run["switch_epoch"] == epoch or (run["switch_step"] is None and epoch in run["windows"])
+
+
 def print_tables(runs, switch_epochs):
     """Mean ± std over seeds of the transient metrics and diagnostics per variant."""
     for e in switch_epochs:
         rows = {}
         for r in runs:
-            if r["switch_epoch"] == e or (r["switch_step"] is None and e in r["windows"]):
+            if _at_switch(r, e):
                 rows.setdefault(r["spec"], []).append(summarize(r, e))
         if not rows:
             continue
@@ -385,7 +390,7 @@ def print_series(runs, switch_epochs):
     for e in switch_epochs:
         rows = {}
         for r in runs:
-            if r["switch_epoch"] == e or (r["switch_step"] is None and e in r["windows"]):
+            if _at_switch(r, e):
                 rows.setdefault(r["spec"], []).append(r)
         if not rows:
             continue
@@ -434,7 +439,7 @@ def print_curve(runs, switch_epochs):
     for e in switch_epochs:
         rows = {}
         for r in runs:
-            if r["switch_epoch"] == e or (r["switch_step"] is None and e in r["windows"]):
+            if _at_switch(r, e):
                 rows.setdefault(r["spec"], []).append(r)
         if not rows:
             continue
@@ -459,7 +464,7 @@ def print_paired(runs, switch_epochs, ref):
     for e in switch_epochs:
         by = {}
         for r in runs:
-            if r["switch_epoch"] == e or (r["switch_step"] is None and e in r["windows"]):
+            if _at_switch(r, e):
                 by.setdefault(r["spec"], {})[r["seed"]] = summarize(r, e)
         if ref not in by:
             continue
