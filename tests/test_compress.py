@@ -437,3 +437,18 @@ def test_reducer_rejects_mismatched_keys_and_integer_gradients():
         next(reducer.exchange(["a"], [torch.ones(2, 2, dtype=torch.int64)], 1))
     with pytest.raises(TypeError, match="Compressor"):
         Reducer("powersgd")
+
+
+def test_a_key_switched_to_dense_sends_what_its_memory_owes_and_then_forgets_it():
+    torch.manual_seed(0)
+    grad = torch.randn(8, 6)
+    reducer = Reducer(PowerSGD(1))
+    SimulatedTransport(1).run([reducer.exchange(["w"], [grad.clone()], 1)])
+    owed = reducer.memory.get("w").clone()
+    assert owed.abs().sum() > 0
+    reducer.set_dense(["w"])
+    second = torch.randn(8, 6)
+    work = second.clone()
+    SimulatedTransport(1).run([reducer.exchange(["w"], [work], 1)])
+    torch.testing.assert_close(work, second + owed)  # one worker: the average is the input
+    assert reducer.memory.get("w") is None

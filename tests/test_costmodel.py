@@ -9,7 +9,15 @@ import math
 
 import pytest
 
-from accordion.costmodel import allgather_time, allreduce_time, parse_bandwidth, parse_latency
+from accordion.costmodel import (
+    TensorCost,
+    allgather_time,
+    allreduce_time,
+    choose_dense,
+    fit_link,
+    parse_bandwidth,
+    parse_latency,
+)
 from accordion.models import get_model
 from accordion.plan import comm_time_per_step, make_plan
 
@@ -308,3 +316,60 @@ def test_make_plan_rejects_steps_that_are_not_a_non_negative_int(resnet18_shapes
 def test_make_plan_rejects_invalid_world_size(resnet18_shapes, world_size, error) -> None:
     with pytest.raises(error, match="world_size"):
         make_plan(resnet18_shapes, "powersgd", [1], world_size, 10, TEN_GBIT, FIFTY_US)
+
+
+# --- the cost model that decides -------------------------------------------------------
+
+
+def test_fit_link_recovers_the_bandwidth_and_latency_that_generated_the_times():
+    bandwidth, latency, world = 12.5e6, 200e-6, 4
+    sizes = [4096, 262144, 1048576, 4194304]
+    times = [allreduce_time(s, world, bandwidth, latency) for s in sizes]
+    fitted_bandwidth, fitted_latency = fit_link(sizes, times, world)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    assert fitted_latency == pytest.approx(latency, rel=1e-9)
+
+
+def test_fit_link_takes_a_negative_fitted_latency_as_zero():
+    sizes = [1000, 2000, 3000]
+    times = [0.9e-3, 2.1e-3, 3.0e-3]  # a line through (0, -0.05 ms): noise on a fast link
+    bandwidth, latency = fit_link(sizes, times, 2)
+    assert latency == 0.0
+    assert bandwidth == pytest.approx(sum(s * s for s in sizes) / sum(
+        s * t for s, t in zip(sizes, times)), rel=1e-9)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sizes,times,world,match",
+    [
+        ([1000, 1000], [1e-3, 2e-3], 2, "two distinct sizes"),
+        ([1000, 2000], [1e-3], 2, "same length"),
+        ([1000, 2000], [2e-3, 1e-3], 2, "do not grow"),
+        ([1000, 2000], [1e-3, float("nan")], 2, "positive and finite"),
+        ([1000, 2000], [1e-3, 2e-3], 1, "world_size must be >= 2"),
+    ],
+)
+def test_fit_link_rejects_inputs_it_cannot_fit(sizes, times, world, match):
+    with pytest.raises(ValueError, match=match):
+        fit_link(sizes, times, world)
+
+
+def cost(key, dense_s, compressed_s, compute_s):
+    return TensorCost(key, (4, 4), dense_s, compressed_s, compute_s)
+
+
+def test_a_tensor_whose_compression_costs_more_than_it_saves_is_sent_dense():
+    costs = [cost("pays", 10e-3, 1e-3, 2e-3), cost("costs", 1e-3, 0.2e-3, 2e-3)]
+    assert choose_dense(costs, world_size=4, latency=0.0) == ["costs"]
+
+
+def test_everything_is_dense_when_the_savings_do_not_cover_the_extra_collective():
+    costs = [cost("a", 1.0e-3, 0.1e-3, 0.4e-3)]  # saves 0.5 ms
+    # one more sequential all-reduce per bucket on 4 workers: 6 latencies of 0.1 ms
+    assert choose_dense(costs, world_size=4, latency=0.1e-3, buckets=1) == ["a"]
+    assert choose_dense(costs, world_size=4, latency=0.05e-3, buckets=1) == []
+
+
+def test_choose_dense_rejects_a_bucket_count_below_one():
+    with pytest.raises(ValueError, match="buckets must be an int >= 1, got 0"):
+        choose_dense([], 2, 0.0, buckets=0)

@@ -321,3 +321,51 @@ def _without_ddp(rank, world_size):
 
 def test_reduce_gradients_without_ddp_matches_the_hook():
     run_processes(_without_ddp, 2)
+
+
+# --- the cost model (auto mode) ------------------------------------------------------------
+
+
+def _calibrate_agrees(rank, world_size, out):
+    torch.manual_seed(0)
+    net = Net(width=64)
+    model = DDP(net)
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1)
+    model.register_comm_hook(state, accordion_hook)
+    report = state.calibrate()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(report, f)
+
+
+def test_calibrate_measures_the_link_and_every_rank_takes_the_same_decisions(tmp_path):
+    run_processes(_calibrate_agrees, 2, str(tmp_path))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0] == reports[1]
+    report = reports[0]
+    assert report["bandwidth"] > 1e6  # loopback: far more than 1 MB/s
+    assert report["latency"] >= 0.0
+    assert len(report["link_samples"]) >= 2
+    assert set(report["tensors"]) == {"fc1.weight", "fc2.weight", "fc3.weight"}
+
+
+def _all_dense_matches_ddp(rank, world_size):
+    torch.manual_seed(0)
+    net_hook, net_plain = Net(), Net()
+    net_plain.load_state_dict(net_hook.state_dict())
+    hooked, plain = DDP(net_hook), DDP(net_plain)
+    state = AccordionState(net_hook, "powersgd", mild=2, aggressive=1, interval=1)
+    state.calibrate(bandwidth=1e15, latency=0.0)  # free transfer: every tensor dense
+    assert state.dense_keys == ["fc1.weight", "fc2.weight", "fc3.weight"]
+    hooked.register_comm_hook(state, accordion_hook)
+    opt_h = torch.optim.SGD(hooked.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        train(hooked, opt_h, rank, 3, start=3 * epoch)
+        train(plain, opt_p, rank, 3, start=3 * epoch)
+        state.end_epoch(next_lr=0.1)
+    for a, b in zip(params_of(net_hook), params_of(net_plain)):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_auto_mode_sending_everything_dense_is_bitwise_plain_ddp():
+    run_processes(_all_dense_matches_ddp, 2)

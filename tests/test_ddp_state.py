@@ -204,3 +204,68 @@ def test_binding_a_module_later_moves_lazily_bound_state_to_the_names():
     assert torch.equal(state.reducer.memory.get("0.weight"), memory)
     assert state.stats()["layers"]["0.weight"]["floats"] == floats
     assert not any(key.startswith("#") for key in state.stats()["layers"])
+
+
+# --- the cost model's choice (auto mode) ----------------------------------------------
+
+
+def test_calibrate_on_a_slow_link_compresses_every_matrix():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
+    report = state.calibrate(bandwidth=1e3, latency=0.0)  # 1 kB/s: every byte counts
+    assert state.dense_keys == []
+    assert report["dense_keys"] == []
+    assert set(report["tensors"]) == {"0.weight", "2.weight"}
+    assert all(t["compress"] for t in report["tensors"].values())
+
+
+def test_calibrate_on_a_fast_link_sends_every_matrix_dense_and_counts_dense_floats():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
+    state.calibrate(bandwidth=1e15, latency=0.0)  # transfer is free: compression cannot pay
+    assert state.dense_keys == ["0.weight", "2.weight"]
+    assert state.levels() == {"0.weight": None, "2.weight": None}
+    step(state._module, state)
+    dense = sum(paper_floats(tuple(p.shape), "dense", None, 1) for p in state._module.parameters())
+    assert state.ledger.total_floats == dense
+    assert state.stats()["layers"]["0.weight"]["level"] is None
+
+
+def test_calibrate_rejects_half_a_link_and_bad_numbers():
+    state = AccordionState(make_net())
+    with pytest.raises(ValueError, match="bandwidth and latency must be given together"):
+        state.calibrate(bandwidth=1e9)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        state.calibrate(bandwidth=0.0, latency=0.0)
+    with pytest.raises(ValueError, match="latency must be >= 0"):
+        state.calibrate(bandwidth=1e9, latency=-1.0)
+    with pytest.raises(TypeError, match="bandwidth must be a number"):
+        state.calibrate(bandwidth="1Gbit", latency=0.0)
+    assert state.dense_keys == []  # nothing changed by the rejected calls
+
+
+def test_calibrate_without_a_process_group_needs_the_link_given():
+    with pytest.raises(ValueError, match="no link to measure"):
+        AccordionState(make_net()).calibrate()
+
+
+def test_set_dense_rejects_unknown_keys_and_a_bare_string():
+    state = AccordionState(make_net())
+    with pytest.raises(ValueError, match="unknown"):
+        state.set_dense(["nope.weight"])
+    with pytest.raises(TypeError, match="not a single str"):
+        state.set_dense("0.weight")
+
+
+def test_an_adaptive_state_with_every_matrix_dense_ends_check_epochs_without_error():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1, interval=1)
+    state.set_dense(["0.weight", "2.weight"])
+    step(state._module, state)
+    assert state.end_epoch(next_lr=0.1) == {}
+    assert state.epoch == 1
+
+
+def test_dense_keys_survive_a_checkpoint():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
+    state.set_dense(["2.weight"])
+    fresh = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
+    fresh.load_state_dict(state.state_dict())
+    assert fresh.dense_keys == ["2.weight"]

@@ -27,6 +27,7 @@ ALL_FAMILIES = [
     "static-batch:64",
     "batch-fixed:32,64",
     "batch:32,64+accordion:powersgd:2,1",
+    "accordion:powersgd:2,1:auto",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -58,6 +59,16 @@ def test_every_strategy_family_trains_end_to_end_with_two_workers(compared):
         assert all(0.0 <= e["test_metric"] <= 100.0 for e in run["epochs"])
         floats = [e["floats"] for e in run["epochs"]]
         assert floats == sorted(floats) and floats[0] > 0
+
+
+def test_an_auto_strategy_records_the_cost_models_measurements(compared):
+    _, results = compared
+    runs = {r["strategy"]: r for r in results["runs"]}
+    assert parse_strategy("accordion:powersgd:2,1:auto").auto
+    calibration = runs["accordion:powersgd:2,1:auto"]["calibration"]
+    assert calibration["bandwidth"] > 0 and len(calibration["link_samples"]) >= 2
+    assert set(calibration["dense_keys"]) <= set(calibration["tensors"])
+    assert runs["accordion:powersgd:2,1"]["calibration"] is None
 
 
 def test_each_run_writes_well_formed_json_lines_and_csv(compared):
@@ -179,8 +190,12 @@ def test_a_missing_data_directory_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "text", ["sgd", "static:powersgd", "accordion:powersgd:2", "static:qsgd:2", "static:topk:2"]
-)
+    "text",
+    [
+        "sgd", "static:powersgd", "accordion:powersgd:2", "static:qsgd:2", "static:topk:2",
+        "static:powersgd:2:fast", "dense:auto", "torch-powersgd:1:auto",
+    ],
+)  # fmt: skip
 def test_malformed_strategies_are_rejected_with_the_allowed_forms(text):
     with pytest.raises(ValueError, match="strategy"):
         parse_strategy(text)

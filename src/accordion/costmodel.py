@@ -6,15 +6,20 @@ latency ``a`` (s) costs, with bandwidth-optimal ring algorithms:
 * all-reduce of ``S`` bytes: ``2 (W - 1) a + 2 (W - 1) / W * S / B``
 * all-gather of ``s`` bytes per worker: ``(W - 1) a + (W - 1) s / B``
 
-Pure functions: no tensors, no ``torch.distributed``.
+It also decides what to compress: :func:`fit_link` turns timed all-reduces into a
+bandwidth and a latency, and :func:`choose_dense` picks the tensors whose compression
+costs more time (computation) than it saves (transfer). Pure functions: no tensors, no
+``torch.distributed`` (``accordion.calibration`` measures the inputs).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .accounting import check_world_size
+from .accounting import check_world_size, wire_bytes
 
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _BANDWIDTH_HELP = (
@@ -102,3 +107,89 @@ def allgather_time(
         return 0.0
     w = world_size
     return (w - 1) * latency + (w - 1) * nbytes_per_worker / bandwidth
+
+
+def transfer_time(
+    shape: Sequence[int], kind: str, level: object, world_size: int, bandwidth: float,
+    element_size: int = 4,
+) -> float:  # fmt: skip
+    """Seconds one tensor adds to its bucket's collectives: its wire bytes per worker
+    (ring algorithms, ``accordion.accounting.wire_bytes``) over ``bandwidth`` (bytes/s).
+
+    The latency terms belong to the bucket's collectives, not to one tensor.
+    """
+    _check(world_size, bandwidth, 0.0)
+    return wire_bytes(shape, kind, level, world_size, element_size) / bandwidth
+
+
+def fit_link(
+    sizes: Sequence[float], seconds: Sequence[float], world_size: int
+) -> tuple[float, float]:
+    """Fit :func:`allreduce_time` to timed all-reduces: ``(bandwidth bytes/s, latency s)``.
+
+    ``sizes`` are the all-reduced bytes, ``seconds`` the times measured (least squares
+    over at least two distinct sizes). A negative fitted latency, which noise can give
+    on a fast link, is taken as zero and the bandwidth refitted through the origin.
+    """
+    check_world_size(world_size)
+    if world_size == 1:
+        raise ValueError("world_size must be >= 2 to fit a link: one worker sends nothing")
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError(
+            "sizes and seconds must have the same length and at least two distinct sizes, "
+            f"got {len(set(sizes))} distinct sizes for {len(seconds)} times"
+        )
+    if any(not (s > 0 and math.isfinite(s)) for s in [*sizes, *seconds]):
+        raise ValueError("sizes and seconds must be positive and finite")
+    n = len(sizes)
+    mean_s, mean_t = sum(sizes) / n, sum(seconds) / n
+    var = sum((s - mean_s) ** 2 for s in sizes)
+    slope = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, seconds)) / var
+    intercept = mean_t - slope * mean_s
+    if intercept < 0:
+        intercept = 0.0
+        slope = sum(s * t for s, t in zip(sizes, seconds)) / sum(s * s for s in sizes)
+    if not slope > 0:
+        raise ValueError("the measured times do not grow with the size: cannot fit a bandwidth")
+    w = world_size
+    return 2 * (w - 1) / w / slope, intercept / (2 * (w - 1))
+
+
+@dataclass(frozen=True)
+class TensorCost:
+    """Predicted seconds per step for one tensor, sent dense or compressed.
+
+    ``dense_s`` and ``compressed_s`` are the bandwidth terms of its collectives (what it
+    adds to a bucket's transfer); ``compute_s`` is the extra computation compression
+    costs (compress, decompress, error feedback) beyond the dense path.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dense_s: float
+    compressed_s: float
+    compute_s: float
+
+    @property
+    def saving_s(self) -> float:
+        """Seconds per step that compressing this tensor saves (negative: it costs)."""
+        return self.dense_s - self.compressed_s - self.compute_s
+
+
+def choose_dense(
+    costs: Sequence[TensorCost], world_size: int, latency: float, buckets: int = 1
+) -> list[str]:
+    """Keys to send dense: those whose compression costs more than it saves.
+
+    Compression also adds one sequential collective per bucket (PowerSGD's Q, top-k's
+    second all-gather): ``2 (W - 1) latency`` each. If the tensors that pay save less in
+    total than that, none is compressed.
+    """
+    check_world_size(world_size)
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+        raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
+    paying = [c for c in costs if c.saving_s > 0]
+    extra_latency = buckets * 2 * (world_size - 1) * latency
+    if sum(c.saving_s for c in paying) <= extra_latency:
+        return [c.key for c in costs]
+    return [c.key for c in costs if c.saving_s <= 0]

@@ -39,6 +39,7 @@ from torch import nn
 
 from .accounting import Ledger, is_compressible, paper_floats, wire_bytes
 from .compress import (
+    AllReduce,
     ErrorFeedback,
     PowerSGD,
     Reducer,
@@ -170,6 +171,8 @@ class AccordionState:
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
         self._transport: TorchTransport | None = None
         self._module: nn.Module | None = None
+        #: The last :meth:`calibrate` report, or ``None``.
+        self.calibration: dict[str, Any] | None = None
         if model is not None:
             self.bind_module(model)
 
@@ -227,8 +230,7 @@ class AccordionState:
                 self._accumulators[new] = self._accumulators.pop(old)
             if old in self.ledger.layers:
                 self.ledger.layers[new] = self.ledger.layers.pop(old)
-            self.reducer.memory.rename(old, new)
-            self.reducer.compressor.rename(old, new)
+            self.reducer.rename(old, new)
         self._costs.clear()  # keyed by the old names
 
     def _check_expected(self) -> None:
@@ -272,28 +274,31 @@ class AccordionState:
     # --- the per-step path ----------------------------------------------------------------
 
     def _collecting(self) -> bool:
-        if not self.adaptive:
+        if not self.adaptive or not self._compressed_keys():
             return False
         if self.interval_unit == "epoch":
             return self.detector.needs_statistic(self.epoch)
         return True
 
     def _before_exchange(self, keys: Sequence[str], grads: Sequence[torch.Tensor], world: int):
-        compressed = [(k, g) for k, g in zip(keys, grads) if is_compressible(g.shape)]
+        reducer = self.reducer
         if self._collecting():
-            for key, grad in compressed:
+            for key, grad in zip(keys, grads):
+                if not reducer.compresses(grad, key):
+                    continue
                 acc = self._accumulators.get(key)
                 if acc is None:
                     # fp32 sums: an epoch of fp16 gradients can overflow fp16
                     acc = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
                     self._accumulators[key] = acc
                 acc.add_(grad)
-        comp = self.reducer.compressor
-        kind = comp.kind
+        comp = reducer.compressor
         for key, grad in zip(keys, grads):
-            level = comp.level(key)
+            dense = key in reducer.dense_keys
+            level = None if dense else comp.level(key)
             cost = self._costs.get((key, level, world))
             if cost is None:
+                kind = "dense" if dense else comp.kind
                 shape, size = tuple(grad.shape), grad.element_size()
                 cost = (
                     paper_floats(shape, kind, level, world),
@@ -301,6 +306,13 @@ class AccordionState:
                 )
                 self._costs[(key, level, world)] = cost
             self.ledger.add(key, *cost)
+
+    def _compressed_keys(self) -> list[str]:
+        """Keys that go through the compressor (compressible and not sent dense)."""
+        if self.reducer.compressor.kind == "dense":
+            return []
+        dense = self.reducer.dense_keys
+        return [k for k, s in self._shapes.items() if is_compressible(s) and k not in dense]
 
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The hook's work for one bucket; see :func:`accordion_hook`."""
@@ -311,7 +323,12 @@ class AccordionState:
         if bucket.is_last() and self.interval_unit == "epoch":
             self.step += 1
         buffer = bucket.buffer()
-        exchange = self.reducer.exchange(keys, grads, world)
+        reducer = self.reducer
+        if any(reducer.compresses(g, k) or reducer.memory.get(k) is not None
+               for k, g in zip(keys, grads)):  # fmt: skip
+            exchange = reducer.exchange(keys, grads, world)
+        else:  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
+            exchange = _dense_buffer(buffer, world)
         if transport is None:
             SimulatedTransport(1).run([exchange])
             done: torch.futures.Future = torch.futures.Future()
@@ -350,6 +367,129 @@ class AccordionState:
             transport.run(exchange)
         if self.interval_unit == "epoch":
             self.step += 1
+
+    # --- the cost model -------------------------------------------------------------------
+
+    def calibrate(
+        self,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        *,
+        buckets: int | None = None,
+        repeats: int = 5,
+    ) -> dict[str, Any]:
+        """Measure what compression costs and saves, and send dense the tensors for which
+        it does not pay (the ``auto`` mode). Call it on every rank once the module is bound
+        and the process group initialised, before training.
+
+        The link is measured with timed all-reduces over this state's group unless
+        ``bandwidth`` (bytes/s) and ``latency`` (s) are given; the extra computation of
+        compressing each tensor at the mild level is timed on this process. A tensor is
+        sent dense when that computation takes longer than the transfer time it saves
+        (see :func:`accordion.costmodel.choose_dense`); ``buckets`` (default: estimated
+        from DDP's 25 MiB buckets) counts the extra sequential collectives compression
+        adds. Times are maxima over the ranks, so every rank decides alike. Deciding at
+        the mild level is conservative: the aggressive level costs about as much
+        computation and saves more transfer.
+
+        Returns a JSON-serialisable report (also in :meth:`stats` as ``"calibration"``):
+        ``bandwidth`` (bytes/s), ``latency`` (s), ``link_samples`` ([bytes, s] pairs, empty
+        when given), ``buckets``, ``dense_keys`` and, per compressible tensor,
+        ``dense_s``, ``compressed_s``, ``compute_s`` and ``compress``.
+        """
+        from .calibration import measure_compute, measure_link
+        from .costmodel import TensorCost, choose_dense, transfer_time
+
+        if self._module is None and not self._shapes:
+            raise ValueError("calibrate needs bound parameters: pass model= or call bind_module")
+        if (bandwidth is None) != (latency is None):
+            raise ValueError("bandwidth and latency must be given together, or neither")
+        if bandwidth is not None:
+            if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float):
+                raise TypeError(f"bandwidth must be a number of bytes/s, got {bandwidth!r}")
+            if isinstance(latency, bool) or not isinstance(latency, int | float):
+                raise TypeError(f"latency must be a number of seconds, got {latency!r}")
+            if not (bandwidth > 0 and math.isfinite(bandwidth)):
+                raise ValueError(f"bandwidth must be > 0 and finite bytes/s, got {bandwidth!r}")
+            if not (latency >= 0 and math.isfinite(latency)):
+                raise ValueError(f"latency must be >= 0 and finite seconds, got {latency!r}")
+        world, transport = self._world()
+        group = transport.group if transport is not None else None
+        samples: list[list[float]] = []
+        if bandwidth is None:
+            if world == 1:
+                raise ValueError("a single process has no link to measure: give bandwidth")
+            link = measure_link(group)
+            bandwidth, latency = link.bandwidth, link.latency
+            samples = [[nbytes, seconds] for nbytes, seconds in link.samples]
+        keys = [k for k, shape in self._shapes.items() if is_compressible(shape)]
+        if buckets is None:
+            total = sum(math.prod(s) * self._element_size[k] for k, s in self._shapes.items())
+            buckets = 1 + math.ceil(total / (25 * 2**20))
+        kind, mild = self.compressor.kind, self.mild
+        costs = []
+        if kind != "dense" and keys:
+
+            def fresh():
+                if kind == "powersgd":
+                    return PowerSGD(mild, seed=self.seed)
+                return make_compressor(kind, mild)
+
+            dtype = torch.float16 if self._element_size[keys[0]] == 2 else torch.float32
+            device = next(iter(self._module.parameters())).device if self._module else "cpu"
+            compute = measure_compute(
+                fresh, [self._shapes[k] for k in keys], dtype, device,
+                repeats=repeats, group=group if world > 1 else None,
+            )  # fmt: skip
+            for key, compute_s in zip(keys, compute):
+                shape, size = self._shapes[key], self._element_size[key]
+                w = max(world, 2)  # a single process still gets a verdict for the model
+                costs.append(
+                    TensorCost(
+                        key,
+                        shape,
+                        dense_s=transfer_time(shape, "dense", None, w, bandwidth, size),
+                        compressed_s=transfer_time(shape, kind, mild, w, bandwidth, size),
+                        compute_s=compute_s,
+                    )  # fmt: skip
+                )
+        dense = choose_dense(costs, max(world, 2), latency, buckets) if costs else []
+        self.set_dense(dense)
+        self.calibration = {
+            "bandwidth": float(bandwidth),
+            "latency": float(latency),
+            "link_samples": samples,
+            "buckets": buckets,
+            "dense_keys": list(dense),
+            "tensors": {
+                c.key: {
+                    "dense_s": c.dense_s,
+                    "compressed_s": c.compressed_s,
+                    "compute_s": c.compute_s,
+                    "compress": c.key not in dense,
+                }
+                for c in costs
+            },
+        }
+        return self.calibration
+
+    def set_dense(self, keys: Iterable[str]) -> None:
+        """Send these parameter keys dense from the next step on (and compress the others
+        as usual). What their error-feedback memory owes goes with their next step."""
+        if isinstance(keys, str):
+            raise TypeError("keys must be an iterable of parameter keys, not a single str")
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self._shapes]
+        if unknown:
+            raise ValueError(f"keys must be bound parameter keys, unknown: {unknown[:5]}")
+        self.reducer.set_dense(keys)
+        for key in keys:
+            self._accumulators.pop(key, None)  # a dense tensor's level never matters
+
+    @property
+    def dense_keys(self) -> list[str]:
+        """Keys sent dense by the cost model's choice (see :meth:`calibrate`)."""
+        return [k for k in self._shapes if k in self.reducer.dense_keys]
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -429,7 +569,7 @@ class AccordionState:
         if self.interval_unit != "epoch":
             raise ValueError("end_epoch needs interval_unit='epoch'; this state counts steps")
         decay = self._decay(self._lr(optimizer, next_lr), lr_will_decay)
-        if not self.adaptive:
+        if not self.adaptive or not self._compressed_keys():  # nothing has a level to pick
             self.epoch += 1
             return {}
         norms = self._agreed_norms() if self.detector.needs_statistic(self.epoch) else {}
@@ -462,7 +602,7 @@ class AccordionState:
             raise ValueError("end_step needs interval_unit='step'; this state counts epochs")
         decay = self._decay(self._lr(optimizer, next_lr), lr_will_decay)
         self.step += 1
-        if not self.adaptive:
+        if not self.adaptive or not self._compressed_keys():
             return None
         if self.step % self.detector.interval_steps != 0:
             if decay:  # a decay makes every layer critical at once, not at the window end
@@ -476,9 +616,14 @@ class AccordionState:
     # --- statistics and checkpoints -------------------------------------------------------
 
     def levels(self) -> dict[str, Any]:
-        """The level each bound compressible parameter will use at the next step."""
-        comp = self.reducer.compressor
-        return {k: comp.level(k) for k, s in self._shapes.items() if is_compressible(s)}
+        """The level each bound compressible parameter will use at the next step
+        (``None`` for those the cost model sends dense)."""
+        comp, dense = self.reducer.compressor, self.reducer.dense_keys
+        return {
+            k: None if k in dense else comp.level(k)
+            for k, s in self._shapes.items()
+            if is_compressible(s)
+        }
 
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot for logging.
@@ -493,7 +638,11 @@ class AccordionState:
         layers = {}
         for key, shape in self._shapes.items():
             sent = totals.get(key, {"floats": 0, "bytes": 0.0})
-            compressed = is_compressible(shape) and comp.kind != "dense"
+            compressed = (
+                is_compressible(shape)
+                and comp.kind != "dense"
+                and key not in self.reducer.dense_keys
+            )
             layers[key] = {
                 "level": comp.level(key) if compressed else None,
                 "shape": list(shape),
@@ -509,6 +658,8 @@ class AccordionState:
             "total_floats": self.ledger.total_floats,
             "total_bytes": self.ledger.total_bytes,
             "non_finite_steps": self.reducer.non_finite_steps,
+            "dense_keys": self.dense_keys,
+            "calibration": self.calibration,
             "layers": layers,
             "checks": self.detector.history,
         }
@@ -552,6 +703,7 @@ class AccordionState:
             "step": self.step,
             "last_lr": self._last_lr,
             "non_finite_steps": self.reducer.non_finite_steps,
+            "dense_keys": self.dense_keys,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -594,6 +746,15 @@ class AccordionState:
         self.step = int(state["step"])
         self._last_lr = state["last_lr"]
         self.reducer.non_finite_steps = int(state["non_finite_steps"])
+        # the cost model's choice is part of the training: resume it, do not re-measure
+        self.reducer.set_dense(state.get("dense_keys", []))
+
+
+def _dense_buffer(buffer: torch.Tensor, world: int):
+    """An exchange averaging a flat bucket buffer in place (no copies)."""
+    buffer.div_(world)
+    yield [AllReduce(buffer)]
+    return True
 
 
 def accordion_hook(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -50,10 +50,34 @@ class Reducer:
         self._dense = compressor if isinstance(compressor, Dense) else Dense()
         #: Steps whose averaged result held an inf or NaN.
         self.non_finite_steps = 0
+        #: Keys sent dense whatever their shape (compression would not pay for them).
+        self.dense_keys: set[Hashable] = set()
 
-    def compresses(self, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` goes through the compressor (rather than dense)."""
-        return self.compressor.kind != "dense" and is_compressible(grad.shape)
+    def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
+        """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
+        return (
+            self.compressor.kind != "dense"
+            and is_compressible(grad.shape)
+            and (key is None or key not in self.dense_keys)
+        )
+
+    def set_dense(self, keys: Iterable[Hashable]) -> None:
+        """Send ``keys`` dense from the next exchange on (and no others).
+
+        What their error-feedback memory still owes is sent with their next dense
+        exchange, so nothing a compressor dropped is lost.
+        """
+        if isinstance(keys, str | bytes):
+            raise TypeError(f"keys must be an iterable of keys, not a single {type(keys).__name__}")
+        self.dense_keys = set(keys)
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Move ``old``'s compressor state, memory and dense flag to the key ``new``."""
+        self.compressor.rename(old, new)
+        self.memory.rename(old, new)
+        if old in self.dense_keys:
+            self.dense_keys.discard(old)
+            self.dense_keys.add(new)
 
     def exchange(
         self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int
@@ -73,15 +97,23 @@ class Reducer:
         # One exchange per (kind, dtype, device): a collective carries a single dtype.
         parts: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
         for i, g in enumerate(grads):
-            parts.setdefault((self.compresses(g), g.dtype, g.device), []).append(i)
+            parts.setdefault((self.compresses(g, keys[i]), g.dtype, g.device), []).append(i)
         exchanges, order = [], []
+        owed: list[Hashable] = []  # dense keys whose memory is sent (and then forgotten)
         for (compressed, _, _), ix in parts.items():
             part_keys = [keys[i] for i in ix]
             if compressed:
                 inputs = [self.memory.compensate(keys[i], grads[i]) for i in ix]
                 exchanges.append(self.compressor.exchange(part_keys, inputs, world_size))
             else:
-                inputs = [grads[i].detach() for i in ix]
+                # a key newly sent dense still owes its memory: send it now, then forget it
+                inputs = []
+                for i in ix:
+                    if self.memory.get(keys[i]) is None:
+                        inputs.append(grads[i].detach())
+                    else:
+                        owed.append(keys[i])
+                        inputs.append(self.memory.compensate(keys[i], grads[i]))
                 exchanges.append(self._dense.exchange(part_keys, inputs, world_size))
             order.append((compressed, ix))
         received: list[torch.Tensor] = []
@@ -103,6 +135,8 @@ class Reducer:
         if finite:
             for key, residual in residuals.items():
                 self.memory.update(key, residual)
+            for key in owed:
+                self.memory.update(key, None)
         elif residuals:
             self.non_finite_steps += 1
             self.compressor.reset(residuals)

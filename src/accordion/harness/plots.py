@@ -213,6 +213,8 @@ def _context(results: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> s
 def _family(strategy: str) -> tuple[str, str, str]:
     """(kind, compressor, levels text): ('accordion', 'powersgd', '4,1'), ('dense', '', '')."""
     parts = strategy.split(":")
+    if len(parts) == 4 and parts[3] == "auto":  # the cost model's flag, not a level
+        parts = parts[:3]
     if len(parts) >= 3:
         return parts[0], parts[1], ":".join(parts[2:])
     if len(parts) == 2:
@@ -604,7 +606,9 @@ def plot_levels(results: Mapping[str, Any], path: str | Path, strategy: str | No
         share = 100.0 * float((codes == k).sum()) / total
         handles.append(Patch(facecolor=colour, label=f"{label}: {share:.0f}% of layer-epochs"))
     if has_missing:
-        handles.append(Patch(facecolor=_MISSING_COLOUR, edgecolor="0.7", label="no level recorded"))
+        handles.append(
+            Patch(facecolor=_MISSING_COLOUR, edgecolor="0.7", label="dense or not recorded")
+        )
     decays = _decay_epochs(results)
     drawn = _draw_decays(ax, decays, (first - 0.5, last + 0.5), _HEATMAP_DECAY_STYLE, 5)
     if drawn:

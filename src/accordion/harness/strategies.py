@@ -7,6 +7,10 @@
 ``accordion:topk:MILD,AGG``         our hook, Accordion switching fractions MILD and AGG
 ``torch-powersgd:R``                PyTorch's own ``powerSGD_hook`` at rank R (outside baseline)
 
+A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:auto``)
+turns the cost model on: before training the hook measures the link and the cost of
+compressing each tensor, and sends dense those for which compression does not pay.
+
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
 ``static-batch:B``                  global batch B throughout
@@ -31,6 +35,7 @@ FORMATS = (
     "static:topk:K",
     "accordion:powersgd:MILD,AGGRESSIVE",
     "accordion:topk:MILD,AGGRESSIVE",
+    "<static or accordion strategy>:auto",
     "torch-powersgd:R",
     "static-batch:B",
     "batch:SMALL,LARGE",
@@ -57,6 +62,7 @@ class Strategy:
     batch_mode: str | None = None  # None, "static", "adaptive" or "fixed"
     batch_small: int | None = None  # global batch sizes
     batch_large: int | None = None
+    auto: bool = False  # the cost model sends dense what compression cannot pay for
 
     @property
     def uses_accordion_hook(self) -> bool:
@@ -131,6 +137,9 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if len(parts) == 2 and parts[0] == "torch-powersgd":
         rank = _level("powersgd", parts[1], text)
         return Strategy(text, "torch-powersgd", "powersgd", rank, rank)
+    auto = len(parts) == 4 and parts[3] == "auto"
+    if auto:
+        parts = parts[:3]
     if len(parts) != 3 or parts[0] not in ("static", "accordion"):
         raise bad
     family, compressor, levels = parts
@@ -142,7 +151,7 @@ def _parse_communication(text: str, whole: str) -> Strategy:
         if "," in levels:
             raise bad
         level = _level(compressor, levels, text)
-        return Strategy(text, "static", compressor, level, level)
+        return Strategy(text, "static", compressor, level, level, auto=auto)
     items = levels.split(",")
     if len(items) != 2:
         raise bad
@@ -152,4 +161,4 @@ def _parse_communication(text: str, whole: str) -> Strategy:
             f"strategy {text!r}: the aggressive level ({aggressive}) must compress at least as "
             f"much as the mild one ({mild}): MILD,AGGRESSIVE with AGGRESSIVE <= MILD"
         )
-    return Strategy(text, "accordion", compressor, mild, aggressive)
+    return Strategy(text, "accordion", compressor, mild, aggressive, auto=auto)

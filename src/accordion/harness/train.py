@@ -169,6 +169,8 @@ class RunResult:
     mild: Any = None
     aggressive: Any = None
     batch_checks: list[dict[str, Any]] = field(default_factory=list)
+    #: The cost model's report (``AccordionState.calibrate``) for ``:auto`` strategies.
+    calibration: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (the ``runs`` entries of ``results.json``)."""
@@ -243,6 +245,8 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             **({"on_rank_change": config.on_rank_change} if config.on_rank_change else {}),
         )
         ddp.register_comm_hook(state, accordion_hook)
+        if strategy.auto and dist.is_initialized():  # one worker has no link to weigh
+            state.calibrate()  # collective: measures the link and the compression costs
         return state
     if strategy.family == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
@@ -480,6 +484,7 @@ def train_run(
     if bar is not None:
         bar.close()
     result.checks = state.stats()["checks"] if state is not None else []
+    result.calibration = state.calibration if state is not None else None
     if controller is not None:
         result.batch_checks = controller.checks
     logger.close(result.checks)
