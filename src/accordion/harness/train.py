@@ -380,9 +380,11 @@ class _Logger:
             for key in ("train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr"):
                 self.writer.add_scalar(key, record[key], record["epoch"])
 
-    def close(self, checks: list[dict[str, Any]]) -> None:
+    def close(self, checks: list[dict[str, Any]], calibration: dict[str, Any] | None) -> None:
         if self.dir is None:
             return
+        if calibration is not None:
+            (self.dir / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
@@ -487,7 +489,7 @@ def train_run(
     result.calibration = state.calibration if state is not None else None
     if controller is not None:
         result.batch_checks = controller.checks
-    logger.close(result.checks)
+    logger.close(result.checks, result.calibration)
     return result
 
 
