@@ -24,6 +24,7 @@ strategy send the same bytes and reach the same accuracy at every rate, except t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -89,49 +90,94 @@ def run_one(cluster, strategy, rate, args, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def lower_bounds(results: dict[str, Any], reference: str) -> None:
-    """Add ``bound_s`` and ``bound_ratio`` to every shaped run (see the module docstring)."""
+    """Add ``bound_s`` (reference time + transfer time) and ``overlap_bound_s`` (the larger
+    of the two) to every shaped run; the reference time is the median over its runs."""
     ref_runs = results["runs"][reference]
-    for rate, runs in results["runs"].items():
+    for rate, per_strategy in results["runs"].items():
         if rate == reference:
             continue
         rate_bytes = parse_bandwidth(rate)
-        for strategy, run in runs.items():
-            base = ref_runs.get(strategy)
-            if strategy.endswith(":auto"):
-                # its reference run chose for the reference link; take the run that made
-                # the same choice at this rate, if any
-                same = strategy[: -len(":auto")] if run.get("auto_dense") == 0 else None
-                same = "dense" if run.get("auto_dense") == run.get("auto_tensors") else same
-                base = ref_runs.get(same) if same else None
-            if base is None:
-                continue
-            bound = base["train_s"] + run["bytes_per_worker"] / rate_bytes
-            run["bound_s"] = bound
-            run["bound_ratio"] = run["train_s"] / bound
+        for strategy, runs in per_strategy.items():
+            for run in runs:
+                base = strategy
+                if strategy.endswith(":auto"):
+                    # its reference run chose for the reference link: take the strategy
+                    # that makes the same choice as it did at this rate, if there is one
+                    base = None
+                    if run.get("auto_dense") == 0:
+                        base = strategy[: -len(":auto")]
+                    elif run.get("auto_dense") == run.get("auto_tensors"):
+                        base = "dense"
+                reference_s = _median(ref_runs.get(base, []), "train_s") if base else None
+                if reference_s is None:
+                    continue
+                transfer = run["bytes_per_worker"] / rate_bytes
+                run["reference_s"] = reference_s
+                run["transfer_s"] = transfer
+                run["bound_s"] = reference_s + transfer
+                run["overlap_bound_s"] = max(reference_s, transfer)
+
+
+def _spread(runs: list[dict[str, Any]], key: str, fmt: str = ".1f") -> str:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if not values:
+        return "-"
+    mid = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return mid
+    return f"{mid} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def table(results: dict[str, Any], target: float) -> str:
+    """Markdown table: medians over the repetitions, (min-max) when there are several."""
     lines = [
-        f"| link | strategy | s/epoch (min-max) | to {target:g}% (s) | final acc | "
-        "KB/step/worker | vs dense | bound (s) | time / bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| link | strategy | training s | to {target:g}% s | final acc | KB/step/worker "
+        "| vs dense | bound s | time / bound | time / overlap bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rate, runs in results["runs"].items():
-        dense = runs.get("dense")
-        for strategy, run in runs.items():
-            steps = results["steps_per_epoch"] * run["epochs"]
-            speedup = f"{dense['train_s'] / run['train_s']:.2f}x" if dense else "-"
-            to_target = run["time_to_target_s"]
+    for rate, per_strategy in results["runs"].items():
+        dense = _median(per_strategy.get("dense", []), "train_s")
+        for strategy, runs in per_strategy.items():
+            steps = results["steps_per_epoch"] * runs[0]["epochs"]
+            train = _median(runs, "train_s")
+            reached = [r["time_to_target_s"] for r in runs]
+            to_target = (
+                "not reached" if all(t is None for t in reached)
+                else _spread(runs, "time_to_target_s")
+                + (f" ({reached.count(None)} of {len(runs)} not)" if None in reached else "")
+            )  # fmt: skip
+            ratios = [
+                {"r": r["train_s"] / r["bound_s"], "o": r["train_s"] / r["overlap_bound_s"]}
+                for r in runs
+                if "bound_s" in r
+            ]
             lines.append(
-                f"| {rate} | {strategy} | {run['epoch_s_median']:.2f} "
-                f"({run['epoch_s_min']:.2f}-{run['epoch_s_max']:.2f}) | "
-                f"{'not reached' if to_target is None else f'{to_target:.1f}'} | "
-                f"{run['final_accuracy']:.2f} | {run['bytes_per_worker'] / steps / 1e3:.1f} | "
-                f"{speedup} | {run.get('bound_s', float('nan')):.1f} | "
-                f"{run.get('bound_ratio', float('nan')):.2f} |"
+                f"| {rate} | {strategy} | {_spread(runs, 'train_s')} | {to_target} | "
+                f"{_spread(runs, 'final_accuracy', '.2f')} | "
+                f"{runs[0]['bytes_per_worker'] / steps / 1e3:.1f} | "
+                f"{f'{dense / train:.2f}x' if dense else '-'} | "
+                f"{_spread(runs, 'bound_s')} | {_spread(ratios, 'r', '.2f')} | "
+                f"{_spread(ratios, 'o', '.2f')} |"
             )
     return "\n".join(lines)
+
+
+def merge(results: dict[str, Any], paths: list[str]) -> None:
+    """Add the runs of earlier ``results.json`` files (one run or a list per entry)."""
+    for path in paths:
+        earlier = json.loads(Path(path).read_text())
+        for rate, per_strategy in earlier["runs"].items():
+            for strategy, runs in per_strategy.items():
+                runs = runs if isinstance(runs, list) else [runs]
+                target = results["runs"].setdefault(rate, {}).setdefault(strategy, [])
+                for run in runs:
+                    target.append({k: v for k, v in run.items() if "bound" not in k})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=90.0, help="test accuracy, percent")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    parser.add_argument("--repeats", type=int, default=1, help="sweeps over rates and strategies")
+    parser.add_argument("--merge", nargs="*", default=[], help="earlier results.json to add")
     parser.add_argument("--out", default="runs/e2e")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -158,29 +206,36 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_epoch": 4000 // 128, "probes": {}, "runs": {},
     }  # fmt: skip
     try:
-        with EmulatedCluster(args.hosts, rates[0], args.delay) as cluster:
-            for rate in rates:
-                cluster.set_link(rate, args.delay)
-                probe = cluster.measure_bandwidth(mbytes=2.0 if rate.endswith("mbit") else 8.0)
-                results["probes"][rate] = probe
-                print(
-                    f"[{rate}] measured all-reduce bus bandwidth "
-                    f"{probe['bus_bandwidth_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s",
-                    flush=True,
-                )
-                results["runs"][rate] = {}
-                for strategy in args.strategies:
-                    run = run_one(cluster, strategy, rate, args, out)
-                    results["runs"][rate][strategy] = run
+        # --repeats 0 builds nothing: it only tabulates the --merge files
+        with (
+            EmulatedCluster(args.hosts, rates[0], args.delay)
+            if args.repeats
+            else contextlib.nullcontext() as cluster
+        ):
+            for repeat in range(args.repeats):
+                for rate in rates:
+                    cluster.set_link(rate, args.delay)
+                    mbytes = 2.0 if rate.endswith("mbit") else 8.0
+                    probe = cluster.measure_bandwidth(mbytes=mbytes)
+                    results["probes"].setdefault(rate, []).append(probe)
                     print(
-                        f"[{rate}] {strategy}: {run['train_s']:.1f} s training, "
-                        f"final {run['final_accuracy']:.2f}%, wall {run['wall_s']:.0f} s",
+                        f"[{rate}] measured all-reduce bus bandwidth "
+                        f"{probe['bus_bandwidth_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s",
                         flush=True,
                     )
-                    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+                    for strategy in args.strategies:
+                        run = run_one(cluster, strategy, rate, args, out / f"rep{repeat}")
+                        results["runs"].setdefault(rate, {}).setdefault(strategy, []).append(run)
+                        print(
+                            f"[{rate}] {strategy}: {run['train_s']:.1f} s training, "
+                            f"final {run['final_accuracy']:.2f}%, wall {run['wall_s']:.0f} s",
+                            flush=True,
+                        )
+                        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     except ClusterError as exc:
         print(f"cluster_e2e: {exc}", file=sys.stderr)
         return 2
+    merge(results, args.merge)
     lower_bounds(results, args.reference)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, args.target)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from accordion.calibration import measure_step_compute
 from accordion.compress import PowerSGD, Reducer, SimulatedTransport
 from accordion.ddp import AccordionState, accordion_hook
 from accordion.models import get_model
@@ -53,7 +54,7 @@ def configurations() -> list[tuple[str, str, int | None]]:
     return configs
 
 
-def attach(kind: str, rank: int | None, net: nn.Module, model: DDP) -> None:
+def attach(kind: str, rank: int | None, net: nn.Module, model: DDP, step) -> None:
     if kind in ("torch", "torch-batched"):
         state = torch_psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
@@ -66,7 +67,8 @@ def attach(kind: str, rank: int | None, net: nn.Module, model: DDP) -> None:
     elif kind == "auto":
         state = AccordionState(net, "powersgd", rank, rank)
         model.register_comm_hook(state, accordion_hook)
-        report = state.calibrate()  # measures this link and the compression costs
+        # the step's computation, this link and the compression costs
+        report = state.calibrate(compute_s=measure_step_compute(model, step))
         if dist.get_rank() == 0:
             print(
                 f"auto: {len(report['dense_keys'])} of {len(report['tensors'])} matrices dense, "
@@ -84,10 +86,10 @@ def step_times(kind, rank, batch, warmup, steps, world) -> list[float]:
     torch.manual_seed(0)
     net = get_model("resnet18")
     model = DDP(net)
-    attach(kind, rank, net, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, 3, 32, 32)
     y = torch.randint(0, 10, (batch,))
+    attach(kind, rank, net, model, lambda: nn.functional.cross_entropy(model(x), y).backward())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     times = []
     for i in range(warmup + steps):
         dist.barrier()

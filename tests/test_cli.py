@@ -96,6 +96,33 @@ def test_every_plan_json_key_is_documented_in_plan_help(capsys, plan_help: str) 
     assert undocumented == []
 
 
+def test_plan_layers_lists_every_tensor_with_documented_keys(capsys, plan_help: str) -> None:
+    result = run_json(capsys, "--model", "mnist1d-cnn", "--levels", "4,1", "--layers")
+    layers = result["layers"]
+    assert [entry["name"] for entry in layers][:2] == ["conv1.weight", "conv1.bias"]
+    epilog = plan_help[plan_help.index("--json prints one object") :]
+    for key in {key for entry in layers for key in entry} | {"layers"}:
+        assert re.search(rf"\b{key}\b", epilog), key
+    # per-tensor bytes add up to the level rows' totals, dense and compressed
+    dense, rank4, rank1 = result["levels"]
+    assert sum(e["dense_bytes"] for e in layers) == pytest.approx(dense["bytes_per_step"])
+    assert sum(e["bytes"][0] for e in layers) == pytest.approx(rank4["bytes_per_step"])
+    assert sum(e["bytes"][1] for e in layers) == pytest.approx(rank1["bytes_per_step"])
+    # transfer time is bytes over the link (10 Gbit/s by default)
+    assert layers[0]["dense_time_s"] == pytest.approx(layers[0]["dense_bytes"] / 1.25e9)
+
+
+def test_plan_layers_table_shows_a_row_per_tensor(capsys) -> None:
+    assert main(["plan", "--model", "mnist1d-cnn", "--levels", "4,1", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "per tensor: transfer ms/step at 10Gbit" in out
+    assert re.search(r"^conv2\.weight\s+32x32x5\s", out, re.MULTILINE)
+
+
+def test_plan_json_has_no_layers_without_the_flag(capsys) -> None:
+    assert "layers" not in run_json(capsys)
+
+
 def test_plan_json_honours_num_classes_workers_and_steps(capsys) -> None:
     result = run_json(capsys, "--num-classes", "100", "--workers", "8", "--steps", "10")
     # CIFAR-100 ResNet-18 at rank 2: linear [100, 512] adds 2 * 90 and its bias 90 floats

@@ -373,3 +373,36 @@ def test_everything_is_dense_when_the_savings_do_not_cover_the_extra_collective(
 def test_choose_dense_rejects_a_bucket_count_below_one():
     with pytest.raises(ValueError, match="buckets must be an int >= 1, got 0"):
         choose_dense([], 2, 0.0, buckets=0)
+
+
+def test_with_computation_to_hide_behind_a_fast_enough_link_gets_nothing_compressed():
+    # 11 ms of computation, 6 ms of dense transfer: the link is not the bottleneck
+    costs = [cost("a", 5e-3, 1e-3, 0.2e-3), cost("b", 1e-3, 0.2e-3, 0.2e-3)]
+    assert choose_dense(costs, 4, 0.0, compute_s=11e-3) == ["a", "b"]
+    # without the overlap, both would be compressed
+    assert choose_dense(costs, 4, 0.0) == []
+
+
+def test_with_computation_a_link_bound_step_compresses_until_the_link_stops_binding():
+    # 58 ms of dense transfer against 11 ms of computation: compress the best saver first
+    costs = [cost("big", 50e-3, 5e-3, 0.5e-3), cost("small", 8e-3, 1e-3, 0.5e-3)]
+    # big alone: max(11.5, 5 + 8) = 13 ms; both: max(12, 6) = 12 ms; none: 58 ms
+    assert choose_dense(costs, 4, 0.0, compute_s=11e-3) == []
+    # dense tensors of 20 ms keep the link the bottleneck whatever is compressed
+    assert choose_dense(costs, 4, 0.0, compute_s=11e-3, other_s=20e-3) == []
+    # a compute-heavy step hides the small one's saving: only the big one is worth it
+    assert choose_dense(costs, 4, 0.0, compute_s=14e-3) == ["small"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"compute_s": -1.0}, ValueError, "compute_s must be >= 0"),
+        ({"compute_s": float("inf")}, ValueError, "compute_s must be >= 0 and finite"),
+        ({"compute_s": "1ms"}, TypeError, "compute_s must be a number"),
+        ({"compute_s": 0.0, "other_s": -1.0}, ValueError, "other_s must be >= 0"),
+    ],
+)
+def test_choose_dense_rejects_bad_compute_and_other_times(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        choose_dense([cost("a", 1e-3, 1e-4, 1e-4)], 2, 0.0, **kwargs)

@@ -269,3 +269,20 @@ def test_dense_keys_survive_a_checkpoint():
     fresh = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
     fresh.load_state_dict(state.state_dict())
     assert fresh.dense_keys == ["2.weight"]
+
+
+def test_calibrate_with_computation_to_hide_behind_sends_dense_what_would_overlap():
+    # 1 kB/s: without overlap every matrix pays; an hour of computation per step hides it
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
+    assert state.calibrate(bandwidth=1e3, latency=0.0)["dense_keys"] == []
+    report = state.calibrate(bandwidth=1e3, latency=0.0, compute_s=3600.0)
+    assert report["dense_keys"] == ["0.weight", "2.weight"]
+    assert report["step_compute_s"] == 3600.0
+
+
+@pytest.mark.parametrize(
+    "compute_s,error", [(-1.0, ValueError), (float("nan"), ValueError), ("1s", TypeError)]
+)
+def test_calibrate_rejects_a_bad_compute_time(compute_s, error):
+    with pytest.raises(error, match="compute_s must be"):
+        AccordionState(make_net()).calibrate(bandwidth=1e6, latency=0.0, compute_s=compute_s)

@@ -2,12 +2,14 @@
 
 :func:`measure_link` times all-reduces of growing sizes over a process group and fits
 the alpha-beta model (``accordion.costmodel.fit_link``); :func:`measure_compute` times
-the extra computation a compressor adds to one tensor. Both agree across ranks (times
+the extra computation a compressor adds to one tensor; :func:`measure_step_compute`
+times a training step's own computation (no communication). All three agree across ranks (times
 are maxima over the ranks), so every rank takes the same decisions from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -132,4 +134,58 @@ def measure_compute(
     return times
 
 
-__all__ = ["Link", "measure_link", "measure_compute", "MAX_BYTES", "SMALL_BYTES"]
+def measure_step_compute(
+    model: torch.nn.Module,
+    step: Callable[[], Any],
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    group: Any = None,
+) -> float:
+    """Seconds of computation per training step, without communication.
+
+    Runs ``step()`` (a closure doing one forward and backward pass) ``warmup + steps``
+    times under ``model.no_sync()`` when ``model`` is DDP-wrapped, so that no gradient is
+    sent, and returns the median time (the maximum over the ranks under a process group:
+    collective then). The model's parameters, buffers (e.g. BatchNorm statistics),
+    gradients and the torch random state are restored afterwards, so that training goes
+    on exactly as if this had not run.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not callable(step):
+        raise TypeError(f"step must be a callable doing one forward and backward, got {step!r}")
+    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {p: None if p.grad is None else p.grad.detach().clone() for p in model.parameters()}
+    rng = torch.get_rng_state()
+    no_sync = getattr(model, "no_sync", None)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            with no_sync() if no_sync is not None else contextlib.nullcontext():
+                step()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    finally:
+        model.load_state_dict(saved)
+        for param, grad in grads.items():
+            param.grad = grad
+        torch.set_rng_state(rng)
+    seconds = statistics.median(times)
+    if dist.is_available() and dist.is_initialized():
+        seconds = _agreed_max([seconds], group)[0]
+    return seconds
+
+
+__all__ = [
+    "Link",
+    "measure_link",
+    "measure_compute",
+    "measure_step_compute",
+    "MAX_BYTES",
+    "SMALL_BYTES",
+]

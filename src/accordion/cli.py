@@ -27,6 +27,11 @@ one entry for dense and one per level, each with
   bytes_per_step        bytes one worker puts on the wire per step (ring collectives)
   compression_ratio     dense floats_per_step / this level's floats_per_step
   comm_time_per_step_s  predicted communication seconds per step (alpha-beta model)
+With --layers, also "layers": one entry per parameter tensor, each with
+  name, shape           the parameter's name and shape
+  dense_bytes           bytes one worker sends for it per step, dense
+  dense_time_s          their transfer time (bandwidth term: latency is per bucket)
+  bytes, time_s         the same at each level, in the order of "levels" after dense
 """
 
 
@@ -73,7 +78,7 @@ def _bytes(nbytes: float) -> str:
 
 def _plan_command(args: argparse.Namespace) -> int:
     from .models import MODEL_NAMES, get_model
-    from .plan import make_plan
+    from .plan import layer_plan, make_plan
 
     parser = args.parser
     if args.model not in MODEL_NAMES:
@@ -108,6 +113,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     model = get_model(args.model, num_classes=args.num_classes)
     shapes = [tuple(p.shape) for p in model.parameters()]
     rows = make_plan(shapes, args.compressor, levels, args.workers, args.steps, bandwidth, latency)
+    layer_rows = []
+    if args.layers:
+        named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+        layer_rows = layer_plan(named, args.compressor, levels, args.workers, bandwidth)
     parameters = sum(p.numel() for p in model.parameters())
     compressed = sum(len(s) >= 2 for s in shapes)
     if args.json:
@@ -125,6 +134,7 @@ def _plan_command(args: argparse.Namespace) -> int:
                     "bandwidth_bytes_per_s": bandwidth,
                     "latency_s": latency,
                     "levels": [row.as_dict() for row in rows],
+                    **({"layers": [r.as_dict() for r in layer_rows]} if args.layers else {}),
                 }
             )
         )
@@ -150,6 +160,26 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
         for row in rows
     ]
+    _print_table(header, table)
+    if layer_rows:
+        print(f"\nper tensor: transfer ms/step at {args.bandwidth} (latency is paid per bucket)")
+        labels = [row.label for row in rows[1:]]
+        _print_table(
+            ("tensor", "shape", "dense", *labels),
+            [
+                (
+                    r.name,
+                    "x".join(map(str, r.shape)),
+                    f"{r.dense_time_s * 1e3:.3f}",
+                    *(f"{t * 1e3:.3f}" for t in r.time_s),
+                )
+                for r in layer_rows
+            ],
+        )
+    return 0
+
+
+def _print_table(header: Sequence[str], table: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in (header, *table)) for i in range(len(header))]
     for cells in (header, *table):
         # the label column reads left-aligned, the figures right-aligned
@@ -157,7 +187,6 @@ def _plan_command(args: argparse.Namespace) -> int:
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ]
         print("  ".join(padded))
-    return 0
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -425,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--bandwidth", default="10Gbit", help="link rate (default 10Gbit)")
     plan.add_argument("--latency", default="50us", help="per-message latency (default 50us)")
     plan.add_argument("--json", action="store_true", help="print one JSON object (keys below)")
+    plan.add_argument(
+        "--layers", action="store_true", help="also per tensor: bytes and transfer time per step"
+    )
     plan.set_defaults(handler=_plan_command, parser=plan)
 
     train = sub.add_parser(

@@ -177,19 +177,56 @@ class TensorCost:
 
 
 def choose_dense(
-    costs: Sequence[TensorCost], world_size: int, latency: float, buckets: int = 1
+    costs: Sequence[TensorCost],
+    world_size: int,
+    latency: float,
+    buckets: int = 1,
+    compute_s: float | None = None,
+    other_s: float = 0.0,
 ) -> list[str]:
     """Keys to send dense: those whose compression costs more than it saves.
 
-    Compression also adds one sequential collective per bucket (PowerSGD's Q, top-k's
-    second all-gather): ``2 (W - 1) latency`` each. If the tensors that pay save less in
-    total than that, none is compressed.
+    Compression adds one sequential collective per bucket (PowerSGD's Q, top-k's second
+    all-gather), ``2 (W - 1) latency`` each, counted once any tensor is compressed.
+
+    Without ``compute_s`` the transfer is assumed not to overlap computation: each tensor
+    is compressed when its own saving (``TensorCost.saving_s``) is positive, and nothing
+    is when the savings together do not cover the extra collectives.
+
+    With ``compute_s``, the seconds per step of computation that the transfer can hide
+    behind (forward and backward), a step takes
+    ``max(compute_s + compression computation, transfer + extra latency)``: compressing
+    only helps while the link is the bottleneck. ``other_s`` is the transfer time of the
+    tensors sent dense anyway (biases, norms). The tensors are taken in order of transfer
+    saved per second of computation, and the prefix with the shortest step is kept
+    (none on a tie).
     """
     check_world_size(world_size)
     if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
         raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
-    paying = [c for c in costs if c.saving_s > 0]
     extra_latency = buckets * 2 * (world_size - 1) * latency
-    if sum(c.saving_s for c in paying) <= extra_latency:
-        return [c.key for c in costs]
-    return [c.key for c in costs if c.saving_s <= 0]
+    if compute_s is None:
+        paying = [c for c in costs if c.saving_s > 0]
+        if sum(c.saving_s for c in paying) <= extra_latency:
+            return [c.key for c in costs]
+        return [c.key for c in costs if c.saving_s <= 0]
+    for name, value in (("compute_s", compute_s), ("other_s", other_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be >= 0 and finite seconds, got {value!r}")
+    order = sorted(
+        costs,
+        key=lambda c: (c.dense_s - c.compressed_s) / max(c.compute_s, 1e-12),
+        reverse=True,
+    )
+    work, transfer = compute_s, other_s + sum(c.dense_s for c in costs)
+    best, best_time = 0, max(work, transfer)
+    for i, c in enumerate(order, start=1):
+        work += c.compute_s
+        transfer += c.compressed_s - c.dense_s
+        step = max(work, transfer + extra_latency)
+        if step < best_time:
+            best, best_time = i, step
+    compressed = {c.key for c in order[:best]}
+    return [c.key for c in costs if c.key not in compressed]

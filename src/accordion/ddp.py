@@ -377,6 +377,7 @@ class AccordionState:
         *,
         buckets: int | None = None,
         repeats: int = 5,
+        compute_s: float | None = None,
     ) -> dict[str, Any]:
         """Measure what compression costs and saves, and send dense the tensors for which
         it does not pay (the ``auto`` mode). Call it on every rank once the module is bound
@@ -392,10 +393,17 @@ class AccordionState:
         the mild level is conservative: the aggressive level costs about as much
         computation and saves more transfer.
 
+        ``compute_s`` (seconds per step of forward and backward, e.g. from
+        :func:`accordion.calibration.measure_step_compute`) lets the model count the
+        transfer that hides behind computation: a step then takes the longer of the two,
+        and compression is chosen only while the link is the bottleneck. Without it the
+        transfer is assumed not to overlap at all, which favours compression.
+
         Returns a JSON-serialisable report (also in :meth:`stats` as ``"calibration"``):
         ``bandwidth`` (bytes/s), ``latency`` (s), ``link_samples`` ([bytes, s] pairs, empty
-        when given), ``buckets``, ``dense_keys`` and, per compressible tensor,
-        ``dense_s``, ``compressed_s``, ``compute_s`` and ``compress``.
+        when given), ``buckets``, ``step_compute_s`` (``compute_s``), ``dense_keys`` and,
+        per compressible tensor, ``dense_s``, ``compressed_s``, ``compute_s`` and
+        ``compress``.
         """
         from .calibration import measure_compute, measure_link
         from .costmodel import TensorCost, choose_dense, transfer_time
@@ -413,6 +421,11 @@ class AccordionState:
                 raise ValueError(f"bandwidth must be > 0 and finite bytes/s, got {bandwidth!r}")
             if not (latency >= 0 and math.isfinite(latency)):
                 raise ValueError(f"latency must be >= 0 and finite seconds, got {latency!r}")
+        if compute_s is not None:
+            if isinstance(compute_s, bool) or not isinstance(compute_s, int | float):
+                raise TypeError(f"compute_s must be a number of seconds, got {compute_s!r}")
+            if not (compute_s >= 0 and math.isfinite(compute_s)):
+                raise ValueError(f"compute_s must be >= 0 and finite seconds, got {compute_s!r}")
         world, transport = self._world()
         group = transport.group if transport is not None else None
         samples: list[list[float]] = []
@@ -441,7 +454,7 @@ class AccordionState:
                 fresh, [self._shapes[k] for k in keys], dtype, device,
                 repeats=repeats, group=group if world > 1 else None,
             )  # fmt: skip
-            for key, compute_s in zip(keys, compute):
+            for key, extra_s in zip(keys, compute):
                 shape, size = self._shapes[key], self._element_size[key]
                 w = max(world, 2)  # a single process still gets a verdict for the model
                 costs.append(
@@ -450,16 +463,24 @@ class AccordionState:
                         shape,
                         dense_s=transfer_time(shape, "dense", None, w, bandwidth, size),
                         compressed_s=transfer_time(shape, kind, mild, w, bandwidth, size),
-                        compute_s=compute_s,
+                        compute_s=extra_s,
                     )  # fmt: skip
                 )
-        dense = choose_dense(costs, max(world, 2), latency, buckets) if costs else []
+        other = sum(
+            transfer_time(shape, "dense", None, max(world, 2), bandwidth, self._element_size[k])
+            for k, shape in self._shapes.items()
+            if not is_compressible(shape)
+        )
+        dense = (
+            choose_dense(costs, max(world, 2), latency, buckets, compute_s, other) if costs else []
+        )
         self.set_dense(dense)
         self.calibration = {
             "bandwidth": float(bandwidth),
             "latency": float(latency),
             "link_samples": samples,
             "buckets": buckets,
+            "step_compute_s": compute_s,
             "dense_keys": list(dense),
             "tensors": {
                 c.key: {

@@ -25,7 +25,7 @@ from .accounting import (
     topk_count,
     wire_bytes,
 )
-from .costmodel import allgather_time, allreduce_time
+from .costmodel import allgather_time, allreduce_time, transfer_time
 
 
 @dataclass(frozen=True)
@@ -117,4 +117,56 @@ def make_plan(
     for level in levels:
         label = f"rank {level}" if compressor == "powersgd" else f"top-k {level:g}"
         rows.append(row(label, compressor, level, dense_floats))
+    return rows
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One tensor of a plan: bytes one worker sends per step and their transfer time
+    (bandwidth term only: the latency is paid per bucket, not per tensor), dense and at
+    each level, in the order of the plan's levels."""
+
+    name: str
+    shape: tuple[int, ...]
+    dense_bytes: float
+    dense_time_s: float
+    bytes: tuple[float, ...]
+    time_s: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the row."""
+        return asdict(self)
+
+
+def layer_plan(
+    named_shapes: Sequence[tuple[str, Sequence[int]]],
+    compressor: str,
+    levels: Sequence[Any],
+    world_size: int,
+    bandwidth: float,
+    element_size: int = 4,
+) -> list[LayerRow]:
+    """Per-tensor bytes and transfer times (s, at ``bandwidth`` bytes/s) for dense and
+    each of ``levels``; tensors with fewer than 2 dimensions are dense at every level."""
+    check_world_size(world_size)
+    if compressor not in ("powersgd", "topk"):
+        raise ValueError(f"compressor must be 'powersgd' or 'topk', got {compressor!r}")
+    rows = []
+    for name, shape in named_shapes:
+        shape = tuple(shape)
+        sent = [wire_bytes(shape, compressor, level, world_size, element_size) for level in levels]
+        dense = wire_bytes(shape, "dense", None, world_size, element_size)
+        rows.append(
+            LayerRow(
+                name,
+                shape,
+                dense,
+                transfer_time(shape, "dense", None, world_size, bandwidth, element_size),
+                tuple(sent),
+                tuple(
+                    transfer_time(shape, compressor, level, world_size, bandwidth, element_size)
+                    for level in levels
+                ),
+            )  # fmt: skip
+        )
     return rows

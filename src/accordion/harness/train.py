@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..accounting import is_compressible, matrix_shape, paper_floats, powersgd_rank, wire_bytes
 from ..batch import BatchSizeController, accumulation_loss_scale
+from ..calibration import measure_step_compute
 from ..compress import PowerSGD
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
@@ -245,8 +246,6 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             **({"on_rank_change": config.on_rank_change} if config.on_rank_change else {}),
         )
         ddp.register_comm_hook(state, accordion_hook)
-        if strategy.auto and dist.is_initialized():  # one worker has no link to weigh
-            state.calibrate()  # collective: measures the link and the compression costs
         return state
     if strategy.family == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
@@ -429,6 +428,10 @@ def train_run(
     model = _build_model(config, data).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = _attach_strategy(config, strategy, model, ddp)
+    if state is not None and strategy.auto and world > 1:  # one worker has no link to weigh
+        # collective: the step's computation, then the link and the compression costs
+        compute_s = _step_compute(ddp, data, config, rank, world, device)
+        state.calibrate(compute_s=compute_s)
     traffic = _Traffic(strategy, model, state, world)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
@@ -545,6 +548,21 @@ def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epo
         loss_sum += step_loss
         count += 1
     return loss_sum, count
+
+
+def _step_compute(ddp: DDP, data, config: TrainConfig, rank: int, world: int, device):
+    """Seconds of forward and backward per step (no communication) on the first global
+    batch, for the cost model; ``None`` for language tasks, whose step carries a hidden
+    state (the cost model then assumes no overlap)."""
+    if isinstance(data, LanguageData):
+        return None
+    x, y = next(iter(_train_batches(data, config, rank, world, 0, config.batch_size)))
+    x, y = x.to(device), y.to(device)
+
+    def step() -> None:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+    return measure_step_compute(ddp, step, steps=5)
 
 
 def _accumulate(ddp: DDP, xs, ys) -> float:
