@@ -346,6 +346,57 @@ def test_non_finite_gradient_warns_and_leaves_memory_untouched(name, level):
     assert torch.isfinite(grads[0][0]).all()
 
 
+@pytest.mark.parametrize("name,level", [("powersgd", 2), ("topk", 0.3)])
+def test_two_non_finite_steps_in_a_row_still_leave_the_memory_untouched(name, level):
+    # the reducer reuses its input buffers every other step: the kept memory must not
+    # be overwritten by the step after next
+    reducers = [Reducer(make_compressor(name, level)) for _ in range(2)]
+    run_workers(reducers, ["w"], [[torch.randn(6, 6)], [torch.randn(6, 6)]])
+    memories = [r.memory.get("w").clone() for r in reducers]
+    for _ in range(3):
+        bad = torch.randn(6, 6)
+        bad[0, 0] = math.nan
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            run_workers(reducers, ["w"], [[bad], [torch.randn(6, 6)]])
+    for r, mem in zip(reducers, memories):
+        assert torch.equal(r.memory.get("w"), mem)
+
+
+def test_the_reducer_matches_hand_written_error_feedback_over_several_steps():
+    # the reducer lays inputs out in reused buffers and writes averages in place; the
+    # numbers must be those of the plain recipe: M = g + e, compress M, e = M - sent
+    torch.manual_seed(0)
+    keys = ["a", "bias", "b", "c"]
+    shapes = [(8, 6), (8,), (8, 6), (4, 3, 2)]
+    reducer, reference = Reducer(PowerSGD(2)), PowerSGD(2)
+    memory = {k: torch.zeros(s) for k, s in zip(keys, shapes) if len(s) > 1}
+    for step in range(4):
+        grads = [torch.randn(s) for s in shapes]
+        expected = [g.clone() for g in grads]
+        matrices = [k for k in keys if k in memory]
+        inputs = [expected[keys.index(k)] + memory[k] for k in matrices]
+        (results,) = SimulatedTransport(1).run([reference.exchange(matrices, inputs, 1)])
+        for k, (average, residual) in zip(matrices, results):
+            expected[keys.index(k)] = average
+            memory[k] = residual.clone()
+        SimulatedTransport(1).run([reducer.exchange(keys, grads, 1)])
+        for k, got, want in zip(keys, grads, expected):
+            assert torch.equal(got, want), (step, k)
+
+
+def test_powersgd_writes_averages_into_out_with_the_same_numbers():
+    torch.manual_seed(1)
+    inputs = [torch.randn(8, 6), torch.randn(8, 6), torch.randn(5, 7)]
+    plain, into = PowerSGD(2), PowerSGD(2)
+    (expected,) = SimulatedTransport(1).run([plain.exchange("abc", [t.clone() for t in inputs], 1)])
+    out = [torch.empty_like(t) for t in inputs]
+    (got,) = SimulatedTransport(1).run([into.exchange("abc", [t.clone() for t in inputs], 1, out)])
+    for (want_avg, want_res), (avg, res), o in zip(expected, got, out):
+        assert avg is o
+        assert torch.equal(avg, want_avg)
+        assert torch.equal(res, want_res)
+
+
 # --- Transport and accounting ----------------------------------------------------------
 
 

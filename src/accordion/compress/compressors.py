@@ -8,7 +8,9 @@ returns, for each input tensor, ``(average, residual)``:
 * ``residual`` -- the part of the local input that was not sent (for error feedback),
   or ``None`` when everything was sent.
 
-The input tensors are *owned by the exchange*: it may overwrite them (the residuals
+Given ``out``, each average is written into ``out[i]`` and returned as it (PowerSGD
+computes it there directly, saving a copy). The input tensors are *owned by the
+exchange*: it may overwrite them (the residuals
 are usually the inputs, modified in place). All inputs of one call share a dtype and a
 device. A compressor holds a level per key (PowerSGD rank, top-k fraction) and any
 warm-start state; error-feedback memory lives in ``memory.py``.
@@ -63,9 +65,15 @@ class Compressor(ABC):
 
     @abstractmethod
     def exchange(
-        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> Exchange[Result]:
-        """Average ``tensors`` over the workers; see the module docstring."""
+        """Average ``tensors`` over the workers; see the module docstring. With ``out``
+        (tensors of the same shapes, not overlapping the inputs), the averages are
+        written into them and returned as them."""
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Move ``old``'s level and state to the key ``new``."""
@@ -114,7 +122,11 @@ class Dense(Compressor):
         return None
 
     def exchange(
-        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> Exchange[Result]:
         if not tensors:
             return []
@@ -125,7 +137,7 @@ class Dense(Compressor):
         for t in tensors:
             outputs.append((flat[offset : offset + t.numel()].view(t.shape), None))
             offset += t.numel()
-        return outputs
+        return _into(outputs, out)
 
     def __repr__(self) -> str:
         return "Dense()"
@@ -148,6 +160,29 @@ def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
     if work is not p:
         p.copy_(work)
     return p
+
+
+def _into(results: Result, out: Sequence[torch.Tensor] | None) -> Result:
+    """``results`` with each average copied into ``out`` (unchanged without ``out``)."""
+    if out is None:
+        return results
+    return [(o.copy_(average), residual) for o, (average, residual) in zip(out, results)]
+
+
+def _batched(tensors: Sequence[torch.Tensor], n: int, m: int) -> torch.Tensor:
+    """``tensors`` as one ``[b, n, m]`` batch: a view when they lie side by side in one
+    buffer (as the Reducer lays them out), else a stacked copy."""
+    first = tensors[0]
+    step = n * m * first.element_size()
+    adjacent = all(
+        t.is_contiguous()
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.data_ptr() == first.data_ptr() + j * step
+        for j, t in enumerate(tensors)
+    )
+    if adjacent:
+        return first.as_strided((len(tensors), n, m), (n * m, m, 1))
+    return torch.stack([t.reshape(n, m) for t in tensors])
 
 
 def _stable_seed(seed: int, key: Hashable) -> int:
@@ -231,7 +266,11 @@ class PowerSGD(Compressor):
         return torch.cat([q, fresh], dim=1)
 
     def exchange(
-        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> Exchange[Result]:
         if not tensors:
             return []
@@ -251,8 +290,7 @@ class PowerSGD(Compressor):
         p_off = q_off = 0
         for (n, m, r), ix in groups.items():
             b = len(ix)
-            mats = [tensors[i].reshape(n, m) for i in ix]
-            mb = mats[0].unsqueeze(0) if b == 1 else torch.stack(mats)
+            mb = _batched([tensors[i] for i in ix], n, m)
             # Factors are kept transposed (P^T is r x n, Q^T is r x m): with r much smaller
             # than n and m, products shaped (r x n)(n x m) run ~9x faster on CPU than
             # (n x m)(m x r), which is a skinny matrix-vector-like product.
@@ -277,13 +315,27 @@ class PowerSGD(Compressor):
         q_flat.div_(world_size)
         results: Result = [None] * len(tensors)  # type: ignore[list-item]
         for ix, mb, p, q in plan:
-            approx = torch.bmm(p.transpose(1, 2), q)  # P Q^T
-            mb.sub_(approx)  # the inputs are ours: M becomes the residual in place
+            n, m = mb.shape[1:]
+            if out is None:
+                approx = torch.bmm(p.transpose(1, 2), q)  # P Q^T
+                mb.sub_(approx)  # the inputs are ours: M becomes the residual in place
+                averages = [approx[j] for j in range(len(ix))]
+            else:  # P Q^T straight into the caller's tensors: no temporary, no copy
+                averages = []
+                for j, i in enumerate(ix):
+                    dest = out[i].view(n, m) if out[i].is_contiguous() else None
+                    product = torch.mm(p[j].t(), q[j], out=dest)
+                    if dest is None:
+                        out[i].copy_(product.view(out[i].shape))
+                    mb[j].sub_(product)
+                    averages.append(out[i])
             for j, i in enumerate(ix):
                 shape = tensors[i].shape
-                results[i] = (approx[j].view(shape), mb[j].view(shape))
+                results[i] = (averages[j].view(shape), mb[j].view(shape))
                 self._q[keys[i]] = q[j].t()
                 self._q_level[keys[i]] = self.level(keys[i])
+        if out is not None:
+            results = [(o, residual) for o, (_, residual) in zip(out, results)]
         return results
 
     def rename(self, old: Hashable, new: Hashable) -> None:
@@ -335,7 +387,11 @@ class TopK(Compressor):
         return check_fraction(level)
 
     def exchange(
-        self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], world_size: int
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> Exchange[Result]:
         if not tensors:
             return []
@@ -364,4 +420,4 @@ class TopK(Compressor):
         for t in tensors:
             results.append((dense[offset : offset + t.numel()].view(t.shape), t))
             offset += t.numel()
-        return results
+        return _into(results, out)

@@ -23,17 +23,22 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._memory: dict[Hashable, torch.Tensor] = {}
 
-    def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        """Return ``grad + memory[key]`` as a new tensor (a copy of ``grad`` if none yet)."""
+    def compensate(
+        self, key: Hashable, grad: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return ``grad + memory[key]`` as a new tensor (a copy of ``grad`` if none yet),
+        or written into ``out`` (same shape) when given."""
         memory = self._memory.get(key)
-        if memory is None:
-            return grad.detach().clone()
-        if memory.shape != grad.shape:
+        if memory is not None and memory.shape != grad.shape:
             raise ValueError(
                 f"gradient for {key!r} has shape {tuple(grad.shape)} but its error-feedback "
                 f"memory has shape {tuple(memory.shape)}"
             )
-        return torch.add(grad.detach(), memory)
+        if out is None:
+            return grad.detach().clone() if memory is None else torch.add(grad.detach(), memory)
+        if memory is None:
+            return out.copy_(grad.detach())
+        return torch.add(grad.detach(), memory, out=out)
 
     def update(self, key: Hashable, residual: torch.Tensor | None) -> None:
         """Store ``residual`` (the part of ``M`` not sent) for ``key``; ``None`` means zero."""
@@ -69,9 +74,11 @@ class ErrorFeedback:
 class NoMemory:
     """No error feedback: what the compressor drops is lost (for ablations)."""
 
-    def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        """Return a copy of ``grad``."""
-        return grad.detach().clone()
+    def compensate(
+        self, key: Hashable, grad: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return a copy of ``grad`` (written into ``out`` when given)."""
+        return grad.detach().clone() if out is None else out.copy_(grad.detach())
 
     def update(self, key: Hashable, residual: torch.Tensor | None) -> None:
         """Discard the residual."""

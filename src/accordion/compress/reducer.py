@@ -13,6 +13,9 @@ from .compressors import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory
 from .transport import Exchange, parallel
 
+#: Sets of keys (DDP buckets, say) whose input buffers are kept between steps.
+_MAX_BUFFER_SETS = 256
+
 
 class Reducer:
     """Averages gradients over workers: tensors with >= 2 dimensions through ``compressor``
@@ -52,6 +55,7 @@ class Reducer:
         self.non_finite_steps = 0
         #: Keys sent dense whatever their shape (compression would not pay for them).
         self.dense_keys: set[Hashable] = set()
+        self._buffers: dict[tuple[Any, ...], list[Any]] = {}
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
@@ -103,8 +107,22 @@ class Reducer:
         for (compressed, _, _), ix in parts.items():
             part_keys = [keys[i] for i in ix]
             if compressed:
-                inputs = [self.memory.compensate(keys[i], grads[i]) for i in ix]
-                exchanges.append(self.compressor.exchange(part_keys, inputs, world_size))
+                # One buffer for the part, tensors of one shape side by side: a compressor
+                # that batches them (PowerSGD) takes a view instead of copying them together.
+                ix.sort(key=lambda i: tuple(grads[i].shape))
+                part_keys = [keys[i] for i in ix]
+                flat = self._buffer(part_keys, [grads[i] for i in ix])
+                inputs, offset = [], 0
+                for i in ix:
+                    size = grads[i].numel()
+                    out = flat[offset : offset + size].view(grads[i].shape)
+                    inputs.append(self.memory.compensate(keys[i], grads[i], out=out))
+                    offset += size
+                # the averages are written straight into the gradients
+                targets = [grads[i].detach() for i in ix]
+                exchanges.append(
+                    self.compressor.exchange(part_keys, inputs, world_size, out=targets)
+                )
             else:
                 # a key newly sent dense still owes its memory: send it now, then forget it
                 inputs = []
@@ -138,6 +156,11 @@ class Reducer:
             for key in owed:
                 self.memory.update(key, None)
         elif residuals:
+            # the memory lives in the buffer the next step but one reuses: detach it
+            for key in residuals:
+                memory = self.memory.get(key)
+                if memory is not None:
+                    self.memory.update(key, memory.clone())
             self.non_finite_steps += 1
             self.compressor.reset(residuals)
             warnings.warn(
@@ -147,8 +170,29 @@ class Reducer:
                 stacklevel=2,
             )
         for g, out in zip(grads, outputs):
-            g.detach().copy_(out)
+            if out.data_ptr() != g.data_ptr():  # compressed averages are in place already
+                g.detach().copy_(out)
         return finite
+
+    def _buffer(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A flat buffer for the compensated inputs of ``keys``, reused between steps.
+
+        Two per set of keys, used in turn: the residuals that the memory keeps of one step
+        live in one buffer while the next step fills the other. Allocating model-size
+        buffers every step costs page faults and zeroing each time.
+        """
+        like = grads[0]
+        numel = sum(g.numel() for g in grads)
+        signature = (tuple(keys), like.dtype, like.device)
+        pair = self._buffers.pop(signature, None)  # re-inserted last: the most recent
+        if pair is None or pair[0].numel() != numel:
+            pair = [like.new_empty(numel), like.new_empty(numel), 0]
+        buffer = pair[pair[2]]
+        pair[2] = 1 - pair[2]
+        self._buffers[signature] = pair
+        while len(self._buffers) > _MAX_BUFFER_SETS:  # e.g. parts that changed: drop old
+            self._buffers.pop(next(iter(self._buffers)))
+        return buffer
 
 
 def _recording(exchange: Exchange[Any], received: list[torch.Tensor]) -> Exchange[Any]:
