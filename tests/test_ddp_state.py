@@ -242,6 +242,13 @@ def test_calibrate_rejects_half_a_link_and_bad_numbers():
     assert state.dense_keys == []  # nothing changed by the rejected calls
 
 
+@pytest.mark.parametrize("kwargs", [{"buckets": 0}, {"repeats": 0}, {"buckets": 1.5}])
+def test_calibrate_rejects_bucket_and_repeat_counts_below_one(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        AccordionState(make_net()).calibrate(bandwidth=1e6, latency=0.0, **kwargs)
+
+
 def test_calibrate_without_a_process_group_needs_the_link_given():
     with pytest.raises(ValueError, match="no link to measure"):
         AccordionState(make_net()).calibrate()

@@ -421,6 +421,11 @@ class AccordionState:
                 raise ValueError(f"bandwidth must be > 0 and finite bytes/s, got {bandwidth!r}")
             if not (latency >= 0 and math.isfinite(latency)):
                 raise ValueError(f"latency must be >= 0 and finite seconds, got {latency!r}")
+        for name, value in (("buckets", buckets), ("repeats", repeats)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if compute_s is not None:
             if isinstance(compute_s, bool) or not isinstance(compute_s, int | float):
                 raise TypeError(f"compute_s must be a number of seconds, got {compute_s!r}")
