@@ -334,13 +334,19 @@ def _at_switch(run, epoch):
     return run["switch_epoch"] == epoch or (run["switch_step"] is None and epoch in run["windows"])
 
 
+def _by_spec(runs, epoch):
+    """Variant -> its runs that belong to the switch after ``epoch``, in run order."""
+    rows = {}
+    for r in runs:
+        if _at_switch(r, epoch):
+            rows.setdefault(r["spec"], []).append(r)
+    return rows
+
+
 def print_tables(runs, switch_epochs):
     """Mean ± std over seeds of the transient metrics and diagnostics per variant."""
     for e in switch_epochs:
-        rows = {}
-        for r in runs:
-            if _at_switch(r, e):
-                rows.setdefault(r["spec"], []).append(summarize(r, e))
+        rows = {spec: [summarize(r, e) for r in rs] for spec, rs in _by_spec(runs, e).items()}
         if not rows:
             continue
         print(f"\n### switch after epoch {e} (step {e * runs[0]['spe']})\n")
@@ -388,10 +394,7 @@ def print_tables(runs, switch_epochs):
 def print_series(runs, switch_epochs):
     """Mean over seeds of the fine-grained series around each switch."""
     for e in switch_epochs:
-        rows = {}
-        for r in runs:
-            if _at_switch(r, e):
-                rows.setdefault(r["spec"], []).append(r)
+        rows = _by_spec(runs, e)
         if not rows:
             continue
         spe = next(iter(rows.values()))[0]["spe"]
@@ -437,10 +440,7 @@ def print_series(runs, switch_epochs):
 def print_curve(runs, switch_epochs):
     """Mean ± std test accuracy at the end of selected epochs (whole run)."""
     for e in switch_epochs:
-        rows = {}
-        for r in runs:
-            if _at_switch(r, e):
-                rows.setdefault(r["spec"], []).append(r)
+        rows = _by_spec(runs, e)
         if not rows:
             continue
         spe = next(iter(rows.values()))[0]["spe"]
@@ -462,10 +462,9 @@ def print_paired(runs, switch_epochs, ref):
     """Per-seed differences (percentage points) to the variant ``ref``, mean ± std."""
     ref = canonical(ref)
     for e in switch_epochs:
-        by = {}
-        for r in runs:
-            if _at_switch(r, e):
-                by.setdefault(r["spec"], {})[r["seed"]] = summarize(r, e)
+        by = {
+            spec: {r["seed"]: summarize(r, e) for r in rs} for spec, rs in _by_spec(runs, e).items()
+        }
         if ref not in by:
             continue
         keys = ("acc_10", "acc_min2", "acc_mean2", "acc_1ep", "acc_5ep", "acc_final")
