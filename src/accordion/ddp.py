@@ -661,16 +661,12 @@ class AccordionState:
         """
         comp = self.reducer.compressor
         totals = self.ledger.totals()
+        compressed = set(self._compressed_keys())
         layers = {}
         for key, shape in self._shapes.items():
             sent = totals.get(key, {"floats": 0, "bytes": 0.0})
-            compressed = (
-                is_compressible(shape)
-                and comp.kind != "dense"
-                and key not in self.reducer.dense_keys
-            )
             layers[key] = {
-                "level": comp.level(key) if compressed else None,
+                "level": comp.level(key) if key in compressed else None,
                 "shape": list(shape),
                 "floats": sent["floats"],
                 "bytes": sent["bytes"],
