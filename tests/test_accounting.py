@@ -309,10 +309,13 @@ def test_ledger_load_state_dict_rejects_malformed_layer_entries(state: object) -
         Ledger().load_state_dict(state)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("steps", [-1, True, 1.0])
-def test_ledger_record_rejects_steps_that_are_not_a_non_negative_int(steps: object) -> None:
+@pytest.mark.parametrize(("steps", "error"), [(-1, ValueError), (True, TypeError), (1.0, TypeError)])
+def test_ledger_record_rejects_steps_that_are_not_a_non_negative_int(
+    steps: object, error: type[Exception]
+) -> None:
+    # the architecture issue: a wrong type is a TypeError, a bad value a ValueError
     ledger = Ledger()
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(error, match="steps"):
         ledger.record("w", [10], "dense", None, WORKERS, steps=steps)  # type: ignore[arg-type]
     assert ledger.totals() == {}
 

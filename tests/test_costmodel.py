@@ -306,9 +306,12 @@ def test_make_plan_rejects_unknown_compressor(resnet18_shapes, compressor: str) 
         make_plan(resnet18_shapes, compressor, [1], 4, 10, TEN_GBIT, FIFTY_US)
 
 
-@pytest.mark.parametrize("steps", [-1, True, 2.5])
-def test_make_plan_rejects_steps_that_are_not_a_non_negative_int(resnet18_shapes, steps) -> None:
-    with pytest.raises(ValueError, match="steps"):
+@pytest.mark.parametrize(("steps", "error"), [(-1, ValueError), (True, TypeError), (2.5, TypeError)])
+def test_make_plan_rejects_steps_that_are_not_a_non_negative_int(
+    resnet18_shapes, steps, error
+) -> None:
+    # the architecture issue: a wrong type is a TypeError, a bad value a ValueError
+    with pytest.raises(error, match="steps"):
         make_plan(resnet18_shapes, "powersgd", [1], 4, steps, TEN_GBIT, FIFTY_US)
 
 

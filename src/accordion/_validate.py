@@ -1,8 +1,14 @@
-"""Argument checks shared by the library's public entries."""
+"""Argument checks shared by the library's public entries.
+
+Every checker raises ``TypeError`` for a value of the wrong type and ``ValueError`` for a
+value out of range, and names the argument, the value and what is allowed.
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -15,3 +21,49 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    strict: bool = False,
+    maximum: float | None = None,
+    unit: str = "",
+) -> float:
+    """Return ``value`` as a finite float within the bounds; else ``TypeError`` (not a real
+    number) or ``ValueError`` (NaN, infinite or out of range). ``strict`` makes the
+    minimum exclusive; ``unit`` (e.g. ``"seconds"``) is named in the message."""
+    allowed = "a finite number"
+    if minimum is not None:
+        allowed += f" {'>' if strict else '>='} {minimum:g}"
+    if maximum is not None:
+        allowed += f" <= {maximum:g}"
+    if unit:
+        allowed += f" ({unit})"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+    number = float(value)
+    too_small = minimum is not None and (number <= minimum if strict else number < minimum)
+    if not math.isfinite(number) or too_small or (maximum is not None and number > maximum):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool; else raise ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
+    """Return ``value`` if it is one of ``allowed``; else raise ``TypeError`` (a str was
+    expected and something else came) or ``ValueError`` naming ``name`` and the choices."""
+    choices = tuple(allowed)
+    if all(isinstance(c, str) for c in choices) and not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value

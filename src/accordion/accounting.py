@@ -16,120 +16,58 @@ Everything here is pure arithmetic on shapes: no tensors, no ``torch.distributed
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._validate import check_int
+from .compress.base import check_shape, compressor_class, sent_as
+from .compress.powersgd import check_rank, matrix_shape, powersgd_rank
+from .compress.topk import INT32_BYTES, INT64_BYTES, check_fraction, index_bytes, topk_count
+from .compress.wire import allgather_bytes, allreduce_bytes, check_world_size
 
-#: Names of the compressor kinds that the accounting knows.
-KINDS = ("dense", "powersgd", "topk")
-
-#: Bytes of an int32 index; top-k indices are int32 whenever the tensor has < 2**31 entries.
-INT32_BYTES = 4
-INT64_BYTES = 8
-
-
-def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError as exc:
-        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from exc
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must have non-negative sizes, got {shape!r}")
-    return dims
-
-
-def check_world_size(world_size: int) -> int:
-    """Validate a number of workers (an int >= 1) and return it."""
-    return check_int("world_size", world_size, 1)
-
-
-def check_rank(rank: Any) -> int:
-    """Validate a PowerSGD rank (an int >= 1, not a bool) and return it as an int."""
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-        raise TypeError(f"rank must be an int >= 1, got {rank!r}")
-    if rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank}")
-    return int(rank)
-
-
-def check_fraction(fraction: Any) -> float:
-    """Validate a top-k fraction (a real number in (0, 1]) and return it as a float."""
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-        raise TypeError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    if math.isnan(fraction) or not 0.0 < float(fraction) <= 1.0:
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction}")
-    return float(fraction)
+__all__ = [
+    "INT32_BYTES",
+    "INT64_BYTES",
+    "LayerTotals",
+    "Ledger",
+    "allgather_bytes",
+    "allreduce_bytes",
+    "check_fraction",
+    "check_rank",
+    "check_world_size",
+    "effective_kind",
+    "index_bytes",
+    "is_compressible",
+    "matrix_shape",
+    "paper_floats",
+    "powersgd_rank",
+    "topk_count",
+    "wire_bytes",
+]
 
 
 def is_compressible(shape: Sequence[int]) -> bool:
-    """Whether a tensor of this shape is compressed: only tensors with 2 or more dimensions are."""
+    """Whether PowerSGD and top-k compress a tensor of this shape (2 or more dimensions).
+    Other compressors say for themselves: ``compressor_class(name).applies_to(shape)``."""
     return len(shape) >= 2
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The ``(n, m)`` matrix view PowerSGD uses: ``n = shape[0]``, ``m = numel / n``."""
-    dims = _check_shape(shape)
-    if len(dims) < 2:
-        raise ValueError(f"a matrix view needs a tensor with >= 2 dimensions, got shape {dims}")
-    n = dims[0]
-    return n, (math.prod(dims) // n if n else 0)
-
-
-def powersgd_rank(shape: Sequence[int], rank: int) -> int:
-    """The effective PowerSGD rank ``r' = min(n, m, rank)`` for a tensor of this shape."""
-    n, m = matrix_shape(shape)
-    return min(n, m, rank)
-
-
-def topk_count(numel: int, fraction: float) -> int:
-    """Entries top-k keeps: ``floor(fraction * numel)``, at least 1 (0 for an empty tensor)."""
-    if numel == 0:
-        return 0
-    return max(1, math.floor(fraction * numel))
-
-
-def index_bytes(numel: int) -> int:
-    """Bytes per top-k index: int32 when every flat index fits in it, else int64."""
-    return INT32_BYTES if numel <= 2**31 - 1 else INT64_BYTES
-
-
-def allreduce_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one worker sends in a ring all-reduce of ``nbytes``: ``2 (W - 1) / W * nbytes``."""
-    return 2.0 * (world_size - 1) / world_size * nbytes
-
-
-def allgather_bytes(nbytes_per_worker: float, world_size: int) -> float:
-    """Bytes one worker sends in a ring all-gather of ``nbytes_per_worker`` each: ``(W-1) * s``."""
-    return float(world_size - 1) * nbytes_per_worker
-
-
 def effective_kind(shape: Sequence[int], kind: str) -> str:
-    """The kind a tensor is really sent with: tensors with < 2 dimensions always go dense."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return kind if is_compressible(shape) else "dense"
+    """The compressor a tensor is really sent with: ``kind`` when it applies to the
+    shape, else ``"dense"``. An unregistered ``kind`` is a ``ValueError``."""
+    return sent_as(shape, kind).name
 
 
 def paper_floats(shape: Sequence[int], kind: str, level: Any, world_size: int) -> int:
     """Floats one worker sends for one tensor in one step, in the paper's convention.
 
-    ``level`` is the PowerSGD rank (int) or the top-k fraction (float in (0, 1]); it is
-    ignored for ``kind="dense"`` and for tensors with fewer than 2 dimensions.
+    ``level`` is the compressor's level (PowerSGD rank, top-k fraction, ...); it is
+    ignored for ``kind="dense"`` and for tensors the compressor does not apply to.
     """
-    dims = _check_shape(shape)
+    dims = check_shape(shape)
     check_world_size(world_size)
-    kind = effective_kind(dims, kind)
-    numel = math.prod(dims)
-    if kind == "dense":
-        return numel
-    if kind == "powersgd":
-        n, m = matrix_shape(dims)
-        return (n + m) * powersgd_rank(dims, check_rank(level))
-    return 2 * topk_count(numel, check_fraction(level)) * world_size
+    return sent_as(dims, kind).paper_floats(dims, level, world_size)
 
 
 def wire_bytes(
@@ -140,18 +78,9 @@ def wire_bytes(
     ``element_size`` is the size in bytes of one gradient element (4 for fp32, 2 for
     fp16/bf16). A single worker sends nothing.
     """
-    dims = _check_shape(shape)
+    dims = check_shape(shape)
     check_world_size(world_size)
-    kind = effective_kind(dims, kind)
-    numel = math.prod(dims)
-    if kind == "dense":
-        return allreduce_bytes(numel * element_size, world_size)
-    if kind == "powersgd":
-        n, m = matrix_shape(dims)
-        rank = powersgd_rank(dims, check_rank(level))
-        return allreduce_bytes((n + m) * rank * element_size, world_size)
-    k = topk_count(numel, check_fraction(level))
-    return allgather_bytes(k * (element_size + index_bytes(numel)), world_size)
+    return sent_as(dims, kind).wire_bytes(dims, level, world_size, element_size)
 
 
 @dataclass
@@ -185,8 +114,7 @@ class Ledger:
         steps: int = 1,
     ) -> None:
         """Add ``steps`` steps of tensor ``name`` sent with ``kind`` at ``level``."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        check_int("steps", steps, 0)
         # both costs first: a rejected record must leave the ledger unchanged
         floats = paper_floats(shape, kind, level, world_size)
         nbytes = wire_bytes(shape, kind, level, world_size, element_size)

@@ -15,17 +15,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .accounting import (
-    check_world_size,
-    effective_kind,
-    index_bytes,
-    matrix_shape,
-    paper_floats,
-    powersgd_rank,
-    topk_count,
-    wire_bytes,
-)
+from ._validate import check_int
+from .accounting import check_world_size, paper_floats, wire_bytes
+from .compress import Dense, compressor_class, sent_as
 from .costmodel import allgather_time, allreduce_time, transfer_time
+
+_TIMES = {"allreduce": allreduce_time, "allgather": allgather_time}
 
 
 @dataclass(frozen=True)
@@ -55,26 +50,19 @@ def comm_time_per_step(
     latency: float,
     element_size: int = 4,
 ) -> float:
-    """Predicted seconds of communication per step for one bucket of these tensors."""
-    dense_elems = powersgd_p = powersgd_q = topk_values = topk_index_bytes = 0
+    """Predicted seconds of communication per step for one bucket of these tensors: each
+    collective (the compressor's ``Message`` slots, and one all-reduce of the dense
+    tensors) carries the shares of every tensor and pays its latency once."""
+    # the dense all-reduce first, then the compressor's collectives in their order
+    slots = {(m.op, m.slot): 0.0 for m in Dense.messages((0,), None, element_size)}
     for shape in shapes:
-        k = effective_kind(shape, kind)
-        if k == "dense":
-            dense_elems += math.prod(shape)
-        elif k == "powersgd":
-            n, m = matrix_shape(shape)
-            r = powersgd_rank(shape, level)
-            powersgd_p += n * r
-            powersgd_q += m * r
-        else:
-            count = topk_count(math.prod(shape), level)
-            topk_values += count
-            topk_index_bytes += count * index_bytes(math.prod(shape))
+        shape = tuple(shape)
+        for message in sent_as(shape, kind).messages(shape, level, element_size):
+            key = (message.op, message.slot)
+            slots[key] = slots.get(key, 0) + message.nbytes
     time = 0.0
-    for elems in (dense_elems, powersgd_p, powersgd_q):
-        time += allreduce_time(elems * element_size, world_size, bandwidth, latency)
-    time += allgather_time(topk_values * element_size, world_size, bandwidth, latency)
-    time += allgather_time(topk_index_bytes, world_size, bandwidth, latency)
+    for (op, _), nbytes in slots.items():
+        time += _TIMES[op](nbytes, world_size, bandwidth, latency)
     return time
 
 
@@ -88,12 +76,11 @@ def make_plan(
     latency: float,
     element_size: int = 4,
 ) -> list[PlanRow]:
-    """Rows for dense and for each of ``levels`` of ``compressor`` ("powersgd" or "topk")."""
+    """Rows for dense and for each of ``levels`` of ``compressor`` (a registered name other
+    than "dense")."""
     check_world_size(world_size)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    if compressor not in ("powersgd", "topk"):
-        raise ValueError(f"compressor must be 'powersgd' or 'topk', got {compressor!r}")
+    check_int("steps", steps, 0)
+    cls = _compressing(compressor)
 
     def row(label: str, kind: str, level: Any, dense_floats: int) -> PlanRow:
         floats = sum(paper_floats(s, kind, level, world_size) for s in shapes)
@@ -115,7 +102,7 @@ def make_plan(
     dense_floats = sum(paper_floats(s, "dense", None, world_size) for s in shapes)
     rows = [row("dense", "dense", None, dense_floats)]
     for level in levels:
-        label = f"rank {level}" if compressor == "powersgd" else f"top-k {level:g}"
+        label = cls.label(level)
         rows.append(row(label, compressor, level, dense_floats))
     return rows
 
@@ -147,10 +134,9 @@ def layer_plan(
     element_size: int = 4,
 ) -> list[LayerRow]:
     """Per-tensor bytes and transfer times (s, at ``bandwidth`` bytes/s) for dense and
-    each of ``levels``; tensors with fewer than 2 dimensions are dense at every level."""
+    each of ``levels``; tensors the compressor does not apply to are dense at every level."""
     check_world_size(world_size)
-    if compressor not in ("powersgd", "topk"):
-        raise ValueError(f"compressor must be 'powersgd' or 'topk', got {compressor!r}")
+    _compressing(compressor)
     rows = []
     for name, shape in named_shapes:
         shape = tuple(shape)
@@ -170,3 +156,11 @@ def layer_plan(
             )  # fmt: skip
         )
     return rows
+
+
+def _compressing(name: str):
+    """The registered compressor ``name``, which must compress something (not dense)."""
+    cls = compressor_class(name)
+    if cls is Dense:
+        raise ValueError("compressor must be a registered compressor other than 'dense', got 'dense'")
+    return cls

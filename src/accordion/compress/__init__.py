@@ -1,9 +1,11 @@
 """Gradient compression in three composable parts, as in GRACE.
 
-* compressors (``Dense``, ``PowerSGD``, ``TopK``): what is sent, at a level per tensor
-  that may change at any step;
+* compressors (``Dense``, ``PowerSGD``, ``TopK``, ``HalfPrecision``): what is sent, at a
+  level per tensor that may change at any step; each describes itself (levels, order,
+  the tensors it applies to, floats and bytes) and is found by name in one registry;
 * memories (``ErrorFeedback``, ``NoMemory``): what was not sent, added to the next step;
-* transports (``TorchTransport``, ``SimulatedTransport``): who carries the collectives.
+* transports (``TorchTransport``, ``SimulatedTransport``, ``LocalTransport``): who
+  carries the collectives.
 
 ``Reducer`` combines a compressor and a memory into "average these gradients".
 
@@ -17,15 +19,24 @@ Example, four workers simulated in one process::
     grads = [[torch.randn(64, 32)] for _ in range(4)]          # worker w's tensors
     world.run([r.exchange(["w"], g, 4) for r, g in zip(reducers, grads)])
     # every grads[w][0] now holds the same rank-2 estimate of the average
+
+A new compressor is one file: a :class:`Compressor` subclass decorated with
+:func:`register`, imported below.
 """
 
-from .compressors import Compressor, Dense, PowerSGD, TopK, orthogonalize_
+from typing import Any
+
+from .base import Compressor, Dense, compressor_class, compressor_names, register, sent_as
 from .memory import ErrorFeedback, NoMemory
+from .powersgd import PowerSGD, orthogonalize_
+from .topk import TopK
 from .reducer import Reducer
 from .transport import (
     AllGather,
     AllReduce,
+    Broadcast,
     Exchange,
+    LocalTransport,
     SimulatedTransport,
     TorchTransport,
     collective_bytes,
@@ -35,10 +46,12 @@ from .transport import (
 __all__ = [
     "AllGather",
     "AllReduce",
+    "Broadcast",
     "Compressor",
     "Dense",
     "ErrorFeedback",
     "Exchange",
+    "LocalTransport",
     "NoMemory",
     "PowerSGD",
     "Reducer",
@@ -46,23 +59,29 @@ __all__ = [
     "TopK",
     "TorchTransport",
     "collective_bytes",
+    "compressor_class",
+    "compressor_names",
     "make_compressor",
     "orthogonalize_",
     "parallel",
+    "register",
+    "sent_as",
 ]
 
 
-def make_compressor(name: str, level=None) -> Compressor:
-    """Build a compressor by name: ``"dense"``, ``"powersgd"`` (level: rank, default 2) or
-    ``"topk"`` (level: fraction, default 0.1)."""
-    if not isinstance(name, str):
-        raise TypeError(f"compressor must be a str, got {type(name).__name__}")
-    if name == "dense":
+def make_compressor(name: str, level: Any = None, **options: Any) -> Compressor:
+    """Build a registered compressor by name at ``level`` (its default mild level when
+    ``None``); ``options`` go to its constructor (PowerSGD: ``seed``, ``on_rank_change``)."""
+    cls = compressor_class(name)
+    if cls is Dense:
         if level is not None:
             raise ValueError(f"level must be None for compressor 'dense', got {level!r}")
+        if options:
+            raise TypeError(f"compressor 'dense' takes no options, got {sorted(options)}")
         return Dense()
-    if name == "powersgd":
-        return PowerSGD(2 if level is None else level)
-    if name == "topk":
-        return TopK(0.1 if level is None else level)
-    raise ValueError(f"compressor must be one of 'dense', 'powersgd', 'topk', got {name!r}")
+    try:
+        return cls(**options) if level is None else cls(level, **options)
+    except TypeError as exc:
+        if options and "unexpected keyword" in str(exc):
+            raise TypeError(f"compressor {name!r} does not take options {sorted(options)}") from None
+        raise

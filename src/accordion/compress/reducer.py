@@ -8,18 +8,20 @@ from typing import Any
 
 import torch
 
-from ..accounting import check_world_size, is_compressible
-from .compressors import Compressor, Dense
+from collections.abc import Mapping
+
+from .base import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory
 from .transport import Exchange, parallel
+from .wire import check_world_size
 
 #: Sets of keys (DDP buckets, say) whose input buffers are kept between steps.
 _MAX_BUFFER_SETS = 256
 
 
 class Reducer:
-    """Averages gradients over workers: tensors with >= 2 dimensions through ``compressor``
-    with error feedback, the others (biases, norm weights) dense.
+    """Averages gradients over workers: the tensors ``compressor`` applies to (PowerSGD and
+    top-k: those with >= 2 dimensions) through it with error feedback, the others dense.
 
     ``exchange(keys, grads, world_size)`` is an exchange for a transport (see
     ``transport.py``). **It changes its input**: each gradient is replaced in place by its
@@ -59,10 +61,8 @@ class Reducer:
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
-        return (
-            self.compressor.kind != "dense"
-            and is_compressible(grad.shape)
-            and (key is None or key not in self.dense_keys)
+        return self.compressor.applies_to(grad.shape) and (
+            key is None or key not in self.dense_keys
         )
 
     def set_dense(self, keys: Iterable[Hashable]) -> None:
@@ -82,6 +82,26 @@ class Reducer:
         if old in self.dense_keys:
             self.dense_keys.discard(old)
             self.dense_keys.add(new)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's levels and factors, the memory, the keys sent dense and the
+        count of non-finite steps: tensors and plain values (``weights_only``-loadable)."""
+        return {
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory.state_dict(),
+            "dense_keys": sorted(self.dense_keys, key=repr),
+            "non_finite_steps": self.non_finite_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a different compressor is a ``ValueError``."""
+        if not isinstance(state, Mapping) or not {"compressor", "memory"} <= state.keys():
+            raise ValueError("state must come from Reducer.state_dict() (keys 'compressor', "
+                             "'memory', 'dense_keys', 'non_finite_steps')")  # fmt: skip
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+        self.set_dense(state.get("dense_keys", []))
+        self.non_finite_steps = int(state.get("non_finite_steps", 0))
 
     def exchange(
         self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int

@@ -9,7 +9,8 @@ compressor code run
 * across real processes (:class:`TorchTransport`, blocking ``run`` or ``run_async``
   that chains ``torch.futures`` so that a DDP hook overlaps the backward pass), and
 * across ``N`` simulated workers inside one process (:class:`SimulatedTransport`), so
-  that tests check multi-worker arithmetic without processes.
+  that tests check multi-worker arithmetic without processes, and
+* in a single process with no group at all (:class:`LocalTransport`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..accounting import allgather_bytes, allreduce_bytes
+from .wire import allgather_bytes, allreduce_bytes
 
 T = TypeVar("T")
 
@@ -41,7 +42,16 @@ class AllGather:
     tensor: torch.Tensor
 
 
-Collective = AllReduce | AllGather
+@dataclass(frozen=True)
+class Broadcast:
+    """Overwrite ``tensor`` on every worker with worker ``src``'s (a rank of the group).
+    The result sent back is the tensor itself. Ranks agree on decisions through it."""
+
+    tensor: torch.Tensor
+    src: int = 0
+
+
+Collective = AllReduce | AllGather | Broadcast
 #: The type of a compressor's exchange: yields phases, receives their results, returns T.
 Exchange = Generator[list[Collective], list[Any], T]
 
@@ -51,6 +61,8 @@ def collective_bytes(op: Collective, world_size: int) -> float:
     nbytes = op.tensor.numel() * op.tensor.element_size()
     if isinstance(op, AllReduce):
         return allreduce_bytes(nbytes, world_size)
+    if isinstance(op, Broadcast):  # a ring broadcast: every worker but the last forwards it
+        return nbytes if world_size > 1 else 0.0
     return allgather_bytes(nbytes, world_size)
 
 
@@ -144,11 +156,44 @@ class SimulatedTransport:
                 for w, op in enumerate(ops):
                     op.tensor.copy_(total)
                     replies[w].append(op.tensor)
+            elif kind is Broadcast:
+                if any(op.src != ops[0].src for op in ops):
+                    raise RuntimeError(f"workers disagree on the source of broadcast {j}")
+                source = ops[ops[0].src].tensor.clone()
+                for w, op in enumerate(ops):
+                    op.tensor.copy_(source)
+                    replies[w].append(op.tensor)
             else:
                 gathered = torch.stack([op.tensor for op in ops])
                 for w in range(self.world_size):
                     replies[w].append(gathered.clone())
         return replies
+
+
+class LocalTransport:
+    """One worker, no process group: every collective's result is the worker's own
+    tensor (an all-gather's is it with a leading dimension of 1). Nothing is sent."""
+
+    world_size = 1
+    #: Always 0: a single worker sends nothing.
+    bytes_sent = 0.0
+
+    def run(self, exchange: Exchange[T]) -> T:
+        """Run an exchange to completion and return its result."""
+        reply = None
+        while True:
+            try:
+                phase = exchange.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            reply = [op.tensor.unsqueeze(0) if isinstance(op, AllGather) else op.tensor
+                     for op in phase]  # fmt: skip
+
+    def run_async(self, exchange: Exchange[T]) -> torch.futures.Future:
+        """Run an exchange now and return a completed future of its result."""
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(self.run(exchange))
+        return done
 
 
 class TorchTransport:
@@ -179,6 +224,10 @@ class TorchTransport:
         self.bytes_sent += collective_bytes(op, self.world_size)
         if isinstance(op, AllReduce):
             work = dist.all_reduce(op.tensor, group=self.group, async_op=True)
+            return work.get_future(), lambda: op.tensor
+        if isinstance(op, Broadcast):
+            src = dist.get_global_rank(self.group, op.src) if self.group is not None else op.src
+            work = dist.broadcast(op.tensor, src=src, group=self.group, async_op=True)
             return work.get_future(), lambda: op.tensor
         # A flat output is what both the old and the new name of this collective accept.
         flat = op.tensor.new_empty(self.world_size * op.tensor.numel())

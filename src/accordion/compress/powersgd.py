@@ -1,146 +1,42 @@
-"""Compressors whose level can change at any step: ``Dense``, ``PowerSGD``, ``TopK``.
-
-The contract, shared by all three: ``exchange(keys, tensors, world_size)`` is a
-generator that yields communication phases to a transport (see ``transport.py``) and
-returns, for each input tensor, ``(average, residual)``:
-
-* ``average`` -- this step's estimate of the mean of the tensor over all workers;
-* ``residual`` -- the part of the local input that was not sent (for error feedback),
-  or ``None`` when everything was sent.
-
-Given ``out``, each average is written into ``out[i]`` and returned as it (PowerSGD
-computes it there directly, saving a copy). The input tensors are *owned by the
-exchange*: it may overwrite them (the residuals
-are usually the inputs, modified in place). All inputs of one call share a dtype and a
-device. A compressor holds a level per key (PowerSGD rank, top-k fraction) and any
-warm-start state; error-feedback memory lives in ``memory.py``.
-"""
+"""PowerSGD (Vogels et al., 2019): rank-r factors, batched by shape, warm-started."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import zlib
-from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ..accounting import check_fraction, check_rank, matrix_shape, powersgd_rank, topk_count
-from .transport import AllGather, AllReduce, Exchange
-
-Result = list[tuple[torch.Tensor, torch.Tensor | None]]
-
-
-class Compressor(ABC):
-    """A gradient compressor with a level per tensor that may change at any step."""
-
-    #: The accounting kind: "dense", "powersgd" or "topk".
-    kind: ClassVar[str]
-
-    def __init__(self, level: Any = None):
-        self.default_level = self.check_level(level)
-        self._levels: dict[Hashable, Any] = {}
-
-    @classmethod
-    @abstractmethod
-    def check_level(cls, level: Any) -> Any:
-        """Validate a level and return it normalised; raise ``TypeError``/``ValueError``."""
-
-    def level(self, key: Hashable) -> Any:
-        """The level used for ``key`` at the next exchange."""
-        return self._levels.get(key, self.default_level)
-
-    def set_level(self, level: Any, keys: Iterable[Hashable] | None = None) -> None:
-        """Set the level of ``keys`` (of every tensor, and the default, when ``None``).
-
-        Takes effect at the next exchange. Error-feedback memory is not touched.
-        """
-        level = self.check_level(level)
-        if keys is None:
-            self.default_level = level
-            self._levels.clear()
-        else:
-            for key in list(keys):
-                self._levels[key] = level
-
-    @abstractmethod
-    def exchange(
-        self,
-        keys: Sequence[Hashable],
-        tensors: Sequence[torch.Tensor],
-        world_size: int,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> Exchange[Result]:
-        """Average ``tensors`` over the workers; see the module docstring. With ``out``
-        (tensors of the same shapes, not overlapping the inputs), the averages are
-        written into them and returned as them."""
-
-    def rename(self, old: Hashable, new: Hashable) -> None:
-        """Move ``old``'s level and state to the key ``new``."""
-        if old in self._levels:
-            self._levels[new] = self._levels.pop(old)
-
-    def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
-        """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Levels (and subclasses' factors) as tensors and plain values."""
-        return {
-            "kind": self.kind,
-            "default_level": self.default_level,
-            "levels": dict(self._levels),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a different compressor kind is an error."""
-        if not isinstance(state, Mapping) or state.get("kind") != self.kind:
-            got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"state is for compressor kind {got!r}, not {self.kind!r}")
-        self.default_level = self.check_level(state["default_level"])
-        self._levels = {key: self.check_level(v) for key, v in state["levels"].items()}
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.default_level!r})"
+from .base import Compressor, Result, check_shape, register
+from .transport import AllReduce, Exchange
+from .wire import Message
 
 
-class Dense(Compressor):
-    """No compression: one all-reduce of all tensors, divided by the world size first.
+def check_rank(rank: Any) -> int:
+    """Validate a PowerSGD rank (an int >= 1, not a bool) and return it as an int."""
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"rank must be an int >= 1, got {rank!r}")
+    if rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank}")
+    return int(rank)
 
-    Dividing before the sum is what DDP's own all-reduce does, so results match it bitwise.
-    """
 
-    kind = "dense"
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The ``(n, m)`` matrix view PowerSGD uses: ``n = shape[0]``, ``m = numel / n``."""
+    dims = check_shape(shape)
+    if len(dims) < 2:
+        raise ValueError(f"a matrix view needs a tensor with >= 2 dimensions, got shape {dims}")
+    n = dims[0]
+    return n, (math.prod(dims) // n if n else 0)
 
-    def __init__(self) -> None:
-        super().__init__(None)
 
-    @classmethod
-    def check_level(cls, level: Any) -> None:
-        """Dense has a single level, ``None``."""
-        if level is not None:
-            raise ValueError(f"level must be None for Dense, got {level!r}")
-        return None
-
-    def exchange(
-        self,
-        keys: Sequence[Hashable],
-        tensors: Sequence[torch.Tensor],
-        world_size: int,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> Exchange[Result]:
-        if not tensors:
-            return []
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        flat.div_(world_size)
-        yield [AllReduce(flat)]
-        outputs, offset = [], 0
-        for t in tensors:
-            outputs.append((flat[offset : offset + t.numel()].view(t.shape), None))
-            offset += t.numel()
-        return _into(outputs, out)
-
-    def __repr__(self) -> str:
-        return "Dense()"
+def powersgd_rank(shape: Sequence[int], rank: int) -> int:
+    """The effective PowerSGD rank ``r' = min(n, m, rank)`` for a tensor of this shape."""
+    n, m = matrix_shape(shape)
+    return min(n, m, rank)
 
 
 def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
@@ -160,13 +56,6 @@ def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
     if work is not p:
         p.copy_(work)
     return p
-
-
-def _into(results: Result, out: Sequence[torch.Tensor] | None) -> Result:
-    """``results`` with each average copied into ``out`` (unchanged without ``out``)."""
-    if out is None:
-        return results
-    return [(o.copy_(average), residual) for o, (average, residual) in zip(out, results)]
 
 
 def _batched(tensors: Sequence[torch.Tensor], n: int, m: int) -> torch.Tensor:
@@ -190,6 +79,7 @@ def _stable_seed(seed: int, key: Hashable) -> int:
     return (seed * 1_000_003 + zlib.crc32(repr(key).encode())) % (2**63 - 1)
 
 
+@register
 class PowerSGD(Compressor):
     """Rank-``r`` PowerSGD (Vogels et al., 2019) with one warm-started power iteration.
 
@@ -214,7 +104,9 @@ class PowerSGD(Compressor):
             (see ``benchmarks/switch_transient/RESULTS.md``).
     """
 
-    kind = "powersgd"
+    name = "powersgd"
+    default_levels = (2, 1)
+    level_help = "an integer rank >= 1"
     RANK_CHANGE_POLICIES = ("redraw", "reuse")
 
     def __init__(self, rank: int = 2, seed: int = 0, on_rank_change: str = "reuse"):
@@ -235,6 +127,37 @@ class PowerSGD(Compressor):
     def check_level(cls, level: Any) -> int:
         """A rank: an int >= 1."""
         return check_rank(level)
+
+    @classmethod
+    def parse_level(cls, text: str) -> int:
+        """A rank from its text ("4")."""
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"a PowerSGD level must be {cls.level_help}, got {text!r}") from None
+        return check_rank(value)
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        return f"rank {level}"
+
+    @classmethod
+    def aggressiveness(cls, level: Any) -> float:
+        return -float(check_rank(level))  # a lower rank sends less
+
+    @classmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        """``(n + m) r'``: the P and Q factors."""
+        n, m = matrix_shape(shape)
+        return (n + m) * powersgd_rank(shape, check_rank(level))
+
+    @classmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        """P (``n r'``) in one all-reduce, then Q (``m r'``) in another."""
+        n, m = matrix_shape(shape)
+        r = powersgd_rank(shape, check_rank(level))
+        return [Message("allreduce", "P", n * r * element_size),
+                Message("allreduce", "Q", m * r * element_size)]  # fmt: skip
 
     def initial_q(
         self, key: Hashable, m: int, r: int, dtype: torch.dtype, device: torch.device
@@ -365,59 +288,3 @@ class PowerSGD(Compressor):
         self._q = {key: q.clone() for key, q in state["q"].items()}
         self._q_level = {key: int(v) for key, v in state["q_level"].items()}
         self._seed_q.clear()
-
-
-class TopK(Compressor):
-    """Top-k sparsification: per tensor keep the ``floor(fraction * numel)`` (>= 1) entries
-    of largest magnitude, all-gather values and indices, scatter-add and divide by the
-    world size (the average, not the sum). Indices travel as int32 when they fit.
-
-    Args:
-        fraction: default fraction of entries kept, a number in (0, 1].
-    """
-
-    kind = "topk"
-
-    def __init__(self, fraction: float = 0.1):
-        super().__init__(fraction)
-
-    @classmethod
-    def check_level(cls, level: Any) -> float:
-        """A fraction: a real number in (0, 1]."""
-        return check_fraction(level)
-
-    def exchange(
-        self,
-        keys: Sequence[Hashable],
-        tensors: Sequence[torch.Tensor],
-        world_size: int,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> Exchange[Result]:
-        if not tensors:
-            return []
-        values, indices, counts, numels = [], [], [], []
-        for key, t in zip(keys, tensors):
-            flat = t.view(-1)
-            k = topk_count(flat.numel(), self.level(key))
-            _, idx = torch.topk(flat.abs(), k, sorted=False)
-            values.append(flat[idx])
-            flat[idx] = 0  # what is sent leaves the residual; the input is ours to modify
-            indices.append(idx)
-            counts.append(k)
-            numels.append(flat.numel())
-        index_dtype = torch.int32 if max(numels) <= 2**31 - 1 else torch.int64
-        sent_values = torch.cat(values)
-        sent_indices = torch.cat(indices).to(index_dtype)
-
-        all_values, all_indices = yield [AllGather(sent_values), AllGather(sent_indices)]
-        device = sent_values.device
-        starts = torch.tensor([0, *numels[:-1]], device=device).cumsum(0)
-        offsets = torch.repeat_interleave(starts, torch.tensor(counts, device=device))
-        dense = torch.zeros(sum(numels), dtype=sent_values.dtype, device=device)
-        dense.index_add_(0, (all_indices.long() + offsets).view(-1), all_values.view(-1))
-        dense.div_(world_size)
-        results, offset = [], 0
-        for t in tensors:
-            results.append((dense[offset : offset + t.numel()].view(t.shape), t))
-            offset += t.numel()
-        return _into(results, out)

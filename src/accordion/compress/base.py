@@ -1,0 +1,291 @@
+"""The compressor contract, the registry of compressors, and ``Dense``.
+
+A compressor's ``exchange(keys, tensors, world_size)`` is a generator that yields
+communication phases to a transport (see ``transport.py``) and returns, for each input
+tensor, ``(average, residual)``:
+
+* ``average`` -- this step's estimate of the mean of the tensor over all workers;
+* ``residual`` -- the part of the local input that was not sent (for error feedback),
+  or ``None`` when everything was sent.
+
+Given ``out``, each average is written into ``out[i]`` and returned as it. The input
+tensors are *owned by the exchange*: it may overwrite them (the residuals are usually
+the inputs, modified in place). All inputs of one call share a dtype and a device. A
+compressor holds a level per key and any warm-start state; error-feedback memory lives
+in ``memory.py``.
+
+A compressor class also *describes itself*, so that nothing else branches on its name:
+its ``name``, how a level is parsed, validated, ordered and labelled, which tensors it
+applies to (``applies_to``), and what one tensor costs at a level, in the paper's floats
+(``paper_floats``) and in messages on the wire (``messages``). Registering the class
+(:func:`register`) makes it available to the hook, the accounting, the plan, the command
+line and the harness by its name.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from .transport import AllReduce, Exchange
+from .wire import Message, ring_bytes
+
+Result = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """Validate a tensor shape (a sequence of ints >= 0) and return it as a tuple."""
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError as exc:
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from exc
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must have non-negative sizes, got {shape!r}")
+    return dims
+
+
+class Compressor(ABC):
+    """A gradient compressor with a level per tensor that may change at any step.
+
+    Subclasses set ``name``, ``default_levels`` (the default ``(mild, aggressive)``) and
+    ``level_help`` (what a level is, for error messages), and implement ``check_level``,
+    ``exchange``, ``paper_floats`` and ``messages``; the others have defaults.
+    """
+
+    #: The registry name ("powersgd"); also the accounting kind.
+    name: ClassVar[str]
+    #: Default (mild, aggressive) levels: the paper's ResNet-18 settings where it has them.
+    default_levels: ClassVar[tuple[Any, Any]]
+    #: What a level is, as error messages say it ("an integer rank >= 1").
+    level_help: ClassVar[str]
+
+    def __init__(self, level: Any = None):
+        self.default_level = self.check_level(level)
+        self._levels: dict[Hashable, Any] = {}
+
+    @property
+    def kind(self) -> str:
+        """The registry name (kept for callers of the first API)."""
+        return self.name
+
+    # --- self-description (class level: no instance needed) ------------------------------
+
+    @classmethod
+    @abstractmethod
+    def check_level(cls, level: Any) -> Any:
+        """Validate a level and return it normalised; raise ``TypeError``/``ValueError``."""
+
+    @classmethod
+    def parse_level(cls, text: str) -> Any:
+        """A level from its text form (command line, strategy strings)."""
+        if not isinstance(text, str):
+            raise TypeError(f"level text must be a str, got {text!r}")
+        return cls.check_level(text.strip())
+
+    @classmethod
+    def level_text(cls, level: Any) -> str:
+        """The text form of ``level``, which :meth:`parse_level` reads back."""
+        return f"{level:g}" if isinstance(level, float) else str(level)
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        """A human label of ``level`` for tables and plots ("rank 4")."""
+        return cls.level_text(level)
+
+    @classmethod
+    def aggressiveness(cls, level: Any) -> float:
+        """A number that orders levels: larger compresses more (equal: as much)."""
+        return 0.0
+
+    @classmethod
+    def applies_to(cls, shape: Sequence[int]) -> bool:
+        """Whether tensors of this shape go through the compressor (else they go dense)."""
+        return len(shape) >= 2
+
+    @classmethod
+    @abstractmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        """Floats one worker sends for one tensor it applies to, in the paper's convention."""
+
+    @classmethod
+    @abstractmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        """What one tensor it applies to adds to the collectives of one step."""
+
+    @classmethod
+    def wire_bytes(
+        cls, shape: tuple[int, ...], level: Any, world_size: int, element_size: int
+    ) -> float:
+        """Bytes one worker puts on the wire for one tensor it applies to (ring algorithms)."""
+        return ring_bytes(cls.messages(shape, level, element_size), world_size)
+
+    # --- levels per key -------------------------------------------------------------------
+
+    def level(self, key: Hashable) -> Any:
+        """The level used for ``key`` at the next exchange."""
+        return self._levels.get(key, self.default_level)
+
+    def set_level(self, level: Any, keys: Iterable[Hashable] | None = None) -> None:
+        """Set the level of ``keys`` (of every tensor, and the default, when ``None``).
+
+        Takes effect at the next exchange. Error-feedback memory is not touched.
+        """
+        level = self.check_level(level)
+        if keys is None:
+            self.default_level = level
+            self._levels.clear()
+        else:
+            for key in list(keys):
+                self._levels[key] = level
+
+    @abstractmethod
+    def exchange(
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Exchange[Result]:
+        """Average ``tensors`` over the workers; see the module docstring. With ``out``
+        (tensors of the same shapes, not overlapping the inputs), the averages are
+        written into them and returned as them."""
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Move ``old``'s level and state to the key ``new``."""
+        if old in self._levels:
+            self._levels[new] = self._levels.pop(old)
+
+    def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
+        """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Levels (and subclasses' factors) as tensors and plain values."""
+        return {
+            "kind": self.name,
+            "default_level": self.default_level,
+            "levels": dict(self._levels),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a different compressor is an error."""
+        if not isinstance(state, Mapping) or state.get("kind") != self.name:
+            got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"state is for compressor kind {got!r}, not {self.name!r}")
+        self.default_level = self.check_level(state["default_level"])
+        self._levels = {key: self.check_level(v) for key, v in state["levels"].items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.default_level!r})"
+
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: make a compressor available by its ``name`` everywhere."""
+    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+        raise TypeError(f"register takes a Compressor subclass, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__}.name must be a non-empty str, got {name!r}")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"a compressor named {name!r} is registered already")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def compressor_names() -> tuple[str, ...]:
+    """The names of the registered compressors, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    """The registered compressor class called ``name``; a clear error for any other."""
+    if not isinstance(name, str):
+        raise TypeError(f"compressor must be a str (one of {compressor_names()}), got {name!r}")
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"compressor must be one of {compressor_names()}, got {name!r}")
+    return cls
+
+
+def sent_as(shape: Sequence[int], name: str) -> type[Compressor]:
+    """The class that really sends a tensor of ``shape`` under compressor ``name``:
+    the compressor when it applies to the shape, else :class:`Dense`."""
+    cls = compressor_class(name)
+    return cls if cls.applies_to(shape) else Dense
+
+
+@register
+class Dense(Compressor):
+    """No compression: one all-reduce of all tensors, divided by the world size first.
+
+    Dividing before the sum is what DDP's own all-reduce does, so results match it bitwise.
+    It applies to no tensor: a tensor that no compressor takes is sent as Dense sends it.
+    """
+
+    name = "dense"
+    default_levels = (None, None)
+    level_help = "None (dense has a single level)"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    @classmethod
+    def check_level(cls, level: Any) -> None:
+        """Dense has a single level, ``None``."""
+        if level is not None:
+            raise ValueError(f"level must be None for Dense, got {level!r}")
+        return None
+
+    @classmethod
+    def parse_level(cls, text: str) -> None:
+        raise ValueError(f"dense takes no level, got {text!r}")
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        return "dense"
+
+    @classmethod
+    def applies_to(cls, shape: Sequence[int]) -> bool:
+        return False
+
+    @classmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        return math.prod(shape)
+
+    @classmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        return [Message("allreduce", "dense", math.prod(shape) * element_size)]
+
+    def exchange(
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Exchange[Result]:
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat.div_(world_size)
+        yield [AllReduce(flat)]
+        outputs, offset = [], 0
+        for t in tensors:
+            outputs.append((flat[offset : offset + t.numel()].view(t.shape), None))
+            offset += t.numel()
+        return into(outputs, out)
+
+    def __repr__(self) -> str:
+        return "Dense()"
+
+
+def into(results: Result, out: Sequence[torch.Tensor] | None) -> Result:
+    """``results`` with each average copied into ``out`` (unchanged without ``out``)."""
+    if out is None:
+        return results
+    return [(o.copy_(average), residual) for o, (average, residual) in zip(out, results)]

@@ -1,0 +1,128 @@
+"""Top-k sparsification: the largest entries by magnitude, values and indices gathered."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from .base import Compressor, Result, into, register
+from .transport import AllGather, Exchange
+from .wire import Message
+
+#: Bytes of an int32 index; top-k indices are int32 whenever the tensor has < 2**31 entries.
+INT32_BYTES = 4
+INT64_BYTES = 8
+
+
+def check_fraction(fraction: Any) -> float:
+    """Validate a top-k fraction (a real number in (0, 1]) and return it as a float."""
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    if math.isnan(fraction) or not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction}")
+    return float(fraction)
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries top-k keeps: ``floor(fraction * numel)``, at least 1 (0 for an empty tensor)."""
+    if numel == 0:
+        return 0
+    return max(1, math.floor(fraction * numel))
+
+
+def index_bytes(numel: int) -> int:
+    """Bytes per top-k index: int32 when every flat index fits in it, else int64."""
+    return INT32_BYTES if numel <= 2**31 - 1 else INT64_BYTES
+
+
+@register
+class TopK(Compressor):
+    """Top-k sparsification: per tensor keep the ``floor(fraction * numel)`` (>= 1) entries
+    of largest magnitude, all-gather values and indices, scatter-add and divide by the
+    world size (the average, not the sum). Indices travel as int32 when they fit.
+
+    Args:
+        fraction: default fraction of entries kept, a number in (0, 1].
+    """
+
+    name = "topk"
+    default_levels = (0.99, 0.1)
+    level_help = "a fraction in (0, 1]"
+
+    def __init__(self, fraction: float = 0.1):
+        super().__init__(fraction)
+
+    @classmethod
+    def check_level(cls, level: Any) -> float:
+        """A fraction: a real number in (0, 1]."""
+        return check_fraction(level)
+
+    @classmethod
+    def parse_level(cls, text: str) -> float:
+        """A fraction from its text ("0.99")."""
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"a top-k level must be {cls.level_help}, got {text!r}") from None
+        return check_fraction(value)
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        return f"top-k {level:g}"
+
+    @classmethod
+    def aggressiveness(cls, level: Any) -> float:
+        return -check_fraction(level)  # a smaller fraction sends less
+
+    @classmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        """``2 k W``: values and indices, times the workers of the all-gather."""
+        return 2 * topk_count(math.prod(shape), check_fraction(level)) * world_size
+
+    @classmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        """``k`` values, then ``k`` indices (int32 when they fit), each all-gathered."""
+        numel = math.prod(shape)
+        k = topk_count(numel, check_fraction(level))
+        return [Message("allgather", "values", k * element_size),
+                Message("allgather", "indices", k * index_bytes(numel))]  # fmt: skip
+
+    def exchange(
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Exchange[Result]:
+        if not tensors:
+            return []
+        values, indices, counts, numels = [], [], [], []
+        for key, t in zip(keys, tensors):
+            flat = t.view(-1)
+            k = topk_count(flat.numel(), self.level(key))
+            _, idx = torch.topk(flat.abs(), k, sorted=False)
+            values.append(flat[idx])
+            flat[idx] = 0  # what is sent leaves the residual; the input is ours to modify
+            indices.append(idx)
+            counts.append(k)
+            numels.append(flat.numel())
+        index_dtype = torch.int32 if max(numels) <= 2**31 - 1 else torch.int64
+        sent_values = torch.cat(values)
+        sent_indices = torch.cat(indices).to(index_dtype)
+
+        all_values, all_indices = yield [AllGather(sent_values), AllGather(sent_indices)]
+        device = sent_values.device
+        starts = torch.tensor([0, *numels[:-1]], device=device).cumsum(0)
+        offsets = torch.repeat_interleave(starts, torch.tensor(counts, device=device))
+        dense = torch.zeros(sum(numels), dtype=sent_values.dtype, device=device)
+        dense.index_add_(0, (all_indices.long() + offsets).view(-1), all_values.view(-1))
+        dense.div_(world_size)
+        results, offset = [], 0
+        for t in tensors:
+            results.append((dense[offset : offset + t.numel()].view(t.shape), t))
+            offset += t.numel()
+        return into(results, out)
