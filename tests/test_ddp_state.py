@@ -242,10 +242,14 @@ def test_calibrate_rejects_half_a_link_and_bad_numbers():
     assert state.dense_keys == []  # nothing changed by the rejected calls
 
 
-@pytest.mark.parametrize("kwargs", [{"buckets": 0}, {"repeats": 0}, {"buckets": 1.5}])
-def test_calibrate_rejects_bucket_and_repeat_counts_below_one(kwargs):
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [({"buckets": 0}, ValueError), ({"repeats": 0}, ValueError), ({"buckets": 1.5}, TypeError)],
+)
+def test_calibrate_rejects_bucket_and_repeat_counts_below_one(kwargs, error):
+    # the architecture issue: a wrong type is a TypeError, a bad value a ValueError
     name = next(iter(kwargs))
-    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+    with pytest.raises(error, match=f"{name} must be an int >= 1"):
         AccordionState(make_net()).calibrate(bandwidth=1e6, latency=0.0, **kwargs)
 
 

@@ -34,19 +34,19 @@ def check_number(
 ) -> float:
     """Return ``value`` as a finite float within the bounds; else ``TypeError`` (not a real
     number) or ``ValueError`` (NaN, infinite or out of range). ``strict`` makes the
-    minimum exclusive; ``unit`` (e.g. ``"seconds"``) is named in the message."""
-    allowed = "a finite number"
-    if minimum is not None:
-        allowed += f" {'>' if strict else '>='} {minimum:g}"
-    if maximum is not None:
-        allowed += f" <= {maximum:g}"
-    if unit:
-        allowed += f" ({unit})"
+    minimum exclusive; ``unit`` (e.g. ``"seconds"``) is named in the messages."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+        what = f"a number of {unit}" if unit else "a number"
+        raise TypeError(f"{name} must be {what}, got {value!r}")
     number = float(value)
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>' if strict else '>='} {minimum:g}")
+    if maximum is not None:
+        bounds.append(f"<= {maximum:g}")
     too_small = minimum is not None and (number <= minimum if strict else number < minimum)
     if not math.isfinite(number) or too_small or (maximum is not None and number > maximum):
+        allowed = " and ".join([*bounds, "finite"]) + (f" {unit}" if unit else "")
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return number
 

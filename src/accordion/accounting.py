@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._validate import check_int
-from .compress.base import check_shape, compressor_class, sent_as
+from .compress.base import check_shape, sent_as
 from .compress.powersgd import check_rank, matrix_shape, powersgd_rank
 from .compress.topk import INT32_BYTES, INT64_BYTES, check_fraction, index_bytes, topk_count
 from .compress.wire import allgather_bytes, allreduce_bytes, check_world_size

@@ -10,6 +10,7 @@ are maxima over the ranks), so every rank takes the same decisions from them.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._validate import check_int, check_number
 from .compress import Compressor, Dense, ErrorFeedback, Reducer, SimulatedTransport
-from .costmodel import fit_link
+from .costmodel import TensorCost, choose_dense, fit_link, transfer_time
 
 #: Smallest all-reduce timed (bytes): mostly latency.
 SMALL_BYTES = 4 * 1024
@@ -68,10 +70,8 @@ def measure_link(
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("measure_link needs an initialised process group")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if not target_s > 0:
-        raise ValueError(f"target_s must be > 0 seconds, got {target_s!r}")
+    check_int("repeats", repeats, 1)
+    check_number("target_s", target_s, minimum=0, strict=True, unit="seconds")
     world = dist.get_world_size(group)
     samples = [(SMALL_BYTES, _time_allreduce(SMALL_BYTES, repeats, group))]
     nbytes = 256 * 1024
@@ -116,8 +116,7 @@ def measure_compute(
     is the difference of the medians (at least 0). With a process group, the maxima over
     its ranks are returned, so that every rank decides alike (collective then).
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    check_int("repeats", repeats, 1)
     device = torch.device(device)
     measured: dict[tuple[int, ...], float] = {}
     for shape in shapes:
@@ -155,9 +154,8 @@ def measure_step_compute(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not callable(step):
         raise TypeError(f"step must be a callable doing one forward and backward, got {step!r}")
-    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    check_int("steps", steps, 1)
+    check_int("warmup", warmup, 0)
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     grads = {p: None if p.grad is None else p.grad.detach().clone() for p in model.parameters()}
     rng = torch.get_rng_state()
@@ -181,7 +179,137 @@ def measure_step_compute(
     return seconds
 
 
+#: DDP's default bucket size (bytes), to estimate the number of buckets.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def calibrate(
+    controller: Any,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+    *,
+    buckets: int | None = None,
+    repeats: int = 5,
+    compute_s: float | None = None,
+) -> dict[str, Any]:
+    """Measure what compression costs and saves, and send dense the tensors for which
+    it does not pay (the ``auto`` mode). Call it on every rank once the module is bound
+    and the process group initialised, before training.
+
+    The link is measured with timed all-reduces over the controller's group unless
+    ``bandwidth`` (bytes/s) and ``latency`` (s) are given; the extra computation of
+    compressing each tensor at the mild level is timed on this process. A tensor is
+    sent dense when that computation takes longer than the transfer time it saves
+    (see :func:`accordion.costmodel.choose_dense`); ``buckets`` (default: estimated
+    from DDP's 25 MiB buckets) counts the extra sequential collectives compression
+    adds. Times are maxima over the ranks, so every rank decides alike. Deciding at
+    the mild level is conservative: the aggressive level costs about as much
+    computation and saves more transfer.
+
+    ``compute_s`` (seconds per step of forward and backward, e.g. from
+    :func:`measure_step_compute`) lets the model count the transfer that hides behind
+    computation: a step then takes the longer of the two, and compression is chosen
+    only while the link is the bottleneck. Without it the transfer is assumed not to
+    overlap at all, which favours compression.
+
+    Returns a JSON-serialisable report (also in ``stats()["calibration"]``):
+    ``bandwidth`` (bytes/s), ``latency`` (s), ``link_samples`` ([bytes, s] pairs, empty
+    when given), ``buckets``, ``step_compute_s`` (``compute_s``), ``dense_keys`` and,
+    per compressible tensor, ``dense_s``, ``compressed_s``, ``compute_s`` and
+    ``compress``.
+    """
+    params = controller.params
+    if params.module is None and not params.shapes:
+        raise ValueError("calibrate needs bound parameters: pass model= or call bind_module")
+    _check_calibration(bandwidth, latency, buckets, repeats, compute_s)
+    transport = controller.transport()
+    world = transport.world_size
+    group = getattr(transport, "group", None)
+    samples: list[list[float]] = []
+    if bandwidth is None:
+        if world == 1:
+            raise ValueError("a single process has no link to measure: give bandwidth")
+        link = measure_link(group)
+        bandwidth, latency = link.bandwidth, link.latency
+        samples = [[nbytes, seconds] for nbytes, seconds in link.samples]
+    if buckets is None:
+        total = sum(math.prod(s) * params.element_size[k] for k, s in params.shapes.items())
+        buckets = 1 + math.ceil(total / DDP_BUCKET_BYTES)
+    costs = _tensor_costs(controller, bandwidth, repeats, group if world > 1 else None)
+    applies = controller.compressor.applies_to
+    other = sum(
+        transfer_time(shape, "dense", None, max(world, 2), bandwidth, params.element_size[k])
+        for k, shape in params.shapes.items()
+        if not applies(shape)
+    )
+    dense = choose_dense(costs, max(world, 2), latency, buckets, compute_s, other) if costs else []
+    controller.set_dense(dense)
+    controller.calibration = _report(bandwidth, latency, samples, buckets, compute_s, dense, costs)
+    return controller.calibration
+
+
+def _check_calibration(bandwidth, latency, buckets, repeats, compute_s) -> None:
+    if (bandwidth is None) != (latency is None):
+        raise ValueError("bandwidth and latency must be given together, or neither")
+    if bandwidth is not None:
+        check_number("bandwidth", bandwidth, minimum=0, strict=True, unit="bytes/s")
+        check_number("latency", latency, minimum=0, unit="seconds")
+    if buckets is not None:
+        check_int("buckets", buckets, 1)
+    check_int("repeats", repeats, 1)
+    if compute_s is not None:
+        check_number("compute_s", compute_s, minimum=0, unit="seconds")
+
+
+def _tensor_costs(controller: Any, bandwidth: float, repeats: int, group: Any) -> list[TensorCost]:
+    """Per tensor the compressor applies to: dense and compressed transfer times at the
+    mild level, and the computation compression adds (measured)."""
+    params, name, mild = controller.params, controller.compressor_name, controller.mild
+    keys = [k for k, s in params.shapes.items() if controller.compressor.applies_to(s)]
+    if not keys:
+        return []
+    dtype = torch.float16 if params.element_size[keys[0]] == 2 else torch.float32
+    device = next(iter(params.module.parameters())).device if params.module else "cpu"
+    compute = measure_compute(
+        controller._new_compressor, [params.shapes[k] for k in keys], dtype, device,
+        repeats=repeats, group=group,
+    )  # fmt: skip
+    world = max(controller.transport().world_size, 2)  # one process still gets a verdict
+    costs = []
+    for key, extra_s in zip(keys, compute):
+        shape, size = params.shapes[key], params.element_size[key]
+        costs.append(TensorCost(
+            key, shape,
+            dense_s=transfer_time(shape, "dense", None, world, bandwidth, size),
+            compressed_s=transfer_time(shape, name, mild, world, bandwidth, size),
+            compute_s=extra_s,
+        ))  # fmt: skip
+    return costs
+
+
+def _report(bandwidth, latency, samples, buckets, compute_s, dense, costs) -> dict[str, Any]:
+    return {
+        "bandwidth": float(bandwidth),
+        "latency": float(latency),
+        "link_samples": samples,
+        "buckets": buckets,
+        "step_compute_s": compute_s,
+        "dense_keys": list(dense),
+        "tensors": {
+            c.key: {
+                "dense_s": c.dense_s,
+                "compressed_s": c.compressed_s,
+                "compute_s": c.compute_s,
+                "compress": c.key not in dense,
+            }
+            for c in costs
+        },
+    }
+
+
 __all__ = [
+    "calibrate",
+    "DDP_BUCKET_BYTES",
     "Link",
     "measure_link",
     "measure_compute",

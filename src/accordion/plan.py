@@ -162,5 +162,7 @@ def _compressing(name: str):
     """The registered compressor ``name``, which must compress something (not dense)."""
     cls = compressor_class(name)
     if cls is Dense:
-        raise ValueError("compressor must be a registered compressor other than 'dense', got 'dense'")
+        raise ValueError(
+            "compressor must be a registered compressor other than 'dense', got 'dense'"
+        )
     return cls

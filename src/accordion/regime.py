@@ -20,6 +20,11 @@ with epoch 0, not with the missing epoch 10.
 
 :class:`StepRegimeDetector` applies the same rule to windows of optimizer steps, for
 training without epochs. Pure logic: plain floats, no tensors, no ``torch.distributed``.
+
+These two classes are the rule and its schedule in one object, for callers that want
+decisions from norms they computed themselves (``accordion.batch`` does). The hook's
+controller uses the parts separately: ``accordion.policy.PaperRule`` (the same test, via
+:func:`accordion.policy.paper_check`) and ``accordion.policy.Schedule``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from ._validate import check_bool as _check_bool
 from ._validate import check_int
+from .policy.rules import check_eta as _check_eta
+from .policy.rules import paper_check
 
 __all__ = ["RegimeDetector", "StepRegimeDetector"]
 
@@ -38,20 +46,6 @@ _STATE_KEYS = frozenset(
     {"interval", "eta", "last_epoch", "norms", "critical", "decay_override", "history"}
 )
 _STEP_STATE_KEYS = frozenset({"interval_steps", "windows", "detector"})
-
-
-def _check_eta(eta: Any) -> float:
-    if isinstance(eta, bool) or not isinstance(eta, numbers.Real):
-        raise TypeError(f"eta must be a finite float > 0 (a relative change), got {eta!r}")
-    if not (math.isfinite(eta) and eta > 0):
-        raise ValueError(f"eta must be a finite float > 0 (a relative change), got {eta!r}")
-    return float(eta)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def _to_norm(name: str, value: Any) -> float:
@@ -234,15 +228,7 @@ class RegimeDetector:
         return dict(self._critical)
 
     def _check(self, epoch: int, norms: dict[str, float], lr_will_decay: bool) -> None:
-        layers: dict[str, dict[str, Any]] = {}
-        decision: dict[str, bool] = {}
-        for name, new in norms.items():
-            old = self._norms.get(name)
-            ratio = None if old is None or old == 0 else abs(old - new) / old
-            # ratio None stands for infinity, which is >= any eta
-            critical = lr_will_decay or ratio is None or ratio >= self._eta
-            decision[name] = critical
-            layers[name] = {"old_norm": old, "new_norm": new, "ratio": ratio, "critical": critical}
+        decision, layers = paper_check(norms, self._norms, self._eta, lr_will_decay)
         self._norms = dict(norms)
         self._critical = decision
         self._decay_override = lr_will_decay

@@ -26,10 +26,13 @@ A new compressor is one file: a :class:`Compressor` subclass decorated with
 
 from typing import Any
 
+# Registration order is the order in which the registry lists the compressors.
+# ruff: noqa: I001
 from .base import Compressor, Dense, compressor_class, compressor_names, register, sent_as
-from .memory import ErrorFeedback, NoMemory
 from .powersgd import PowerSGD, orthogonalize_
 from .topk import TopK
+from .half import HalfPrecision
+from .memory import ErrorFeedback, NoMemory
 from .reducer import Reducer
 from .transport import (
     AllGather,
@@ -51,6 +54,7 @@ __all__ = [
     "Dense",
     "ErrorFeedback",
     "Exchange",
+    "HalfPrecision",
     "LocalTransport",
     "NoMemory",
     "PowerSGD",
@@ -83,5 +87,7 @@ def make_compressor(name: str, level: Any = None, **options: Any) -> Compressor:
         return cls(**options) if level is None else cls(level, **options)
     except TypeError as exc:
         if options and "unexpected keyword" in str(exc):
-            raise TypeError(f"compressor {name!r} does not take options {sorted(options)}") from None
+            raise TypeError(
+                f"compressor {name!r} does not take options {sorted(options)}"
+            ) from None
         raise

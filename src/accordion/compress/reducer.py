@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-
-from collections.abc import Mapping
 
 from .base import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory

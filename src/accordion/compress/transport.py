@@ -344,3 +344,26 @@ class TorchTransport:
             torch.futures.collect_all(futures).then(on_phase_done)
 
         advance(None)
+
+
+_PRIVATE_GROUPS: dict[tuple[int, tuple[int, ...] | None], Any] = {}
+
+
+def private_group(process_group: Any) -> Any:
+    """A process group with the ranks of ``process_group``, used only by Accordion.
+
+    Created once per set of ranks (``new_group`` is collective: every rank creates them
+    in the same order, so the cache stays consistent across ranks).
+    """
+    import torch.distributed as dist
+
+    ranks = None
+    if process_group is not None:
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+    # keyed by the default group too: a re-initialised job must not reuse stale groups
+    key = (id(dist.group.WORLD), ranks)
+    group = _PRIVATE_GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(ranks=list(ranks) if ranks is not None else None)
+        _PRIVATE_GROUPS[key] = group
+    return group

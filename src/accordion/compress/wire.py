@@ -43,7 +43,6 @@ class Message:
     nbytes: float
 
 
-
 def ring_bytes(messages: list[Message], world_size: int) -> float:
     """Bytes one worker puts on the wire for ``messages`` under ring algorithms."""
     # payloads summed per collective first: the ring factor applied once, as one call sends

@@ -1,0 +1,559 @@
+"""The controller: one object that combines the parts of Accordion for one model.
+
+* a :class:`~accordion.params.ParameterTable` (stable keys per parameter),
+* a :class:`~accordion.compress.Reducer` (compressor + error-feedback memory),
+* the policy: a :class:`~accordion.policy.Ladder` of levels, a
+  :class:`~accordion.policy.Schedule` and a :class:`~accordion.policy.Rule`,
+* a :class:`~accordion.accounting.Ledger` of what was sent,
+* a transport that carries every collective, the ranks' agreement on statistics included.
+
+Adapters drive it: the DDP communication hook (``accordion.ddp``) and the loop without
+DDP (:meth:`Controller.reduce_gradients`) hand it gradients; the training loop tells it
+when an epoch or a step ends.
+"""
+
+# No `from __future__ import annotations`: a DDP hook's annotations are checked at run time.
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpoint
+from ._validate import check_choice
+from .accounting import Ledger, paper_floats, wire_bytes
+from .compress import (
+    AllReduce,
+    Broadcast,
+    Dense,
+    ErrorFeedback,
+    Exchange,
+    LocalTransport,
+    Reducer,
+    TorchTransport,
+    compressor_class,
+)
+from .compress.transport import private_group
+from .params import ParameterTable
+from .policy import DecayDetector, Ladder, Observation, PaperRule, Rule, Schedule
+
+STATISTICS = ("rank0", "mean")
+
+
+class Controller:
+    """Accordion for one model: compression, statistics, decisions, accounting, checkpoints.
+
+    Args:
+        model: the module whose gradients are averaged (plain or DDP-wrapped), or ``None``
+            to bind parameters lazily from the buckets.
+        compressor: a registered compressor name (``"powersgd"``, ``"topk"``, ``"half"``,
+            ``"dense"``; see ``accordion.compress.compressor_names()``).
+        mild: level in critical regimes (PowerSGD rank, top-k fraction, ...). Default:
+            the compressor's (rank 2 / top-k 0.99).
+        aggressive: level elsewhere. Default: rank 1 / top-k 0.1. ``mild == aggressive``
+            gives a static compressor (and skips the statistic).
+        interval: how often the rule checks, in epochs (``interval_unit="epoch"``, the
+            paper: 10 for CNNs, 5 for the LSTM) or in optimizer steps (``"step"``).
+        eta: the paper rule's threshold on the relative change of a layer's gradient norm
+            (default 0.5); only with the default rule.
+        statistic: ``"rank0"`` (the paper: rank 0's statistics decide, every rank applies
+            the same decision) or ``"mean"`` (statistics averaged over ranks).
+        interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
+            :meth:`end_step` after every optimizer step).
+        process_group: the group to average over (default: the default group).
+        seed: seed shared by all ranks for the compressor's random state (PowerSGD's Q).
+        on_rank_change: PowerSGD's Q at a rank switch: ``"reuse"`` (default) or
+            ``"redraw"`` (the paper's scripts). Ignored by compressors without it.
+        levels: the whole ladder instead of ``mild``/``aggressive``: two or more levels,
+            mildest first, e.g. ``(4, 2, 1)``.
+        rule: the :class:`~accordion.policy.Rule` that decides the rungs (default:
+            ``PaperRule(eta)``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        compressor: str = "powersgd",
+        mild: Any = None,
+        aggressive: Any = None,
+        interval: int = 10,
+        eta: float | None = None,
+        statistic: str = "rank0",
+        interval_unit: str = "epoch",
+        process_group: Any = None,
+        seed: int = 0,
+        on_rank_change: str = "reuse",
+        levels: Sequence[Any] | None = None,
+        rule: Rule | None = None,
+    ):
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        cls = compressor_class(compressor)
+        self.statistic = check_choice("statistic", statistic, STATISTICS)
+        self.schedule = Schedule(interval, interval_unit)
+        self.ladder = _ladder(cls, mild, aggressive, levels)
+        self.rule = _rule(rule, eta)
+        self.compressor_name = cls.name
+        self.process_group = process_group
+        self.seed = seed
+        self._options = {"seed": seed, "on_rank_change": on_rank_change}
+        self.reducer = Reducer(self._new_compressor(), ErrorFeedback())
+        #: Epochs ended so far (the index of the current epoch).
+        self.epoch = 0
+        #: Optimizer steps (or hook iterations) seen so far.
+        self.step = 0
+        self.ledger = Ledger()
+        self.params = ParameterTable()
+        self._decay = DecayDetector()
+        self._rungs: dict[str, int] = {}  # the decision in force, per layer
+        self._accumulators: dict[str, torch.Tensor] = {}
+        self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
+        self._transport: TorchTransport | LocalTransport | None = None
+        #: The last :meth:`calibrate` report, or ``None``.
+        self.calibration: dict[str, Any] | None = None
+        if model is not None:
+            self.bind_module(model)
+
+    def _new_compressor(self):
+        cls = self.ladder.compressor
+        if cls is Dense:
+            return Dense()
+        accepted = inspect.signature(cls).parameters
+        options = {k: v for k, v in self._options.items() if k in accepted}
+        return cls(self.ladder.mildest, **options)
+
+    # --- properties of the configuration --------------------------------------------------
+
+    @property
+    def mild(self) -> Any:
+        """The mildest level (rung 0)."""
+        return self.ladder.mildest
+
+    @property
+    def aggressive(self) -> Any:
+        """The most aggressive level (the last rung)."""
+        return self.ladder.most_aggressive
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether levels switch (the ladder's levels differ)."""
+        return self.ladder.adaptive
+
+    @property
+    def compressor(self):
+        """The compressor object (levels per parameter key)."""
+        return self.reducer.compressor
+
+    @property
+    def interval_unit(self) -> str:
+        """``"epoch"`` or ``"step"``: what :attr:`Schedule.interval` counts."""
+        return self.schedule.unit
+
+    @property
+    def _module(self) -> nn.Module | None:
+        return self.params.module
+
+    # --- binding --------------------------------------------------------------------------
+
+    def bind_module(self, model: nn.Module) -> None:
+        """Name parameters after ``model.named_parameters()`` (plain or DDP-wrapped).
+
+        Parameters already bound lazily under ``"#i"`` keep their state under their new
+        names.
+        """
+        renamed = self.params.bind(model)
+        for old, new in renamed.items():
+            if old in self._accumulators:
+                self._accumulators[new] = self._accumulators.pop(old)
+            if old in self.ledger.layers:
+                self.ledger.layers[new] = self.ledger.layers.pop(old)
+            if old in self._rungs:
+                self._rungs[new] = self._rungs.pop(old)
+            self.reducer.rename(old, new)
+        if renamed:
+            self._costs.clear()  # keyed by the old names
+
+    def _world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def transport(self) -> TorchTransport | LocalTransport:
+        """The transport of every collective; every rank must get here at the same point."""
+        if self._transport is None:
+            if dist.is_available() and dist.is_initialized():
+                # A private copy of the group: the hook's phases are issued from completion
+                # callbacks, and on a shared group they could pair up wrongly with
+                # collectives that DDP (e.g. find_unused_parameters) or the loop issue.
+                self._transport = TorchTransport(private_group(self.process_group))
+            else:
+                self._transport = LocalTransport()
+        return self._transport
+
+    # --- the per-step path ----------------------------------------------------------------
+
+    def _collecting(self) -> bool:
+        if not self.adaptive or not self._compressed_keys():
+            return False
+        return self.schedule.collecting(self.epoch)
+
+    def observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], world: int) -> None:
+        """Before an exchange: add ``grads`` to the statistic when the schedule gathers it,
+        and their cost at the current levels to the ledger."""
+        reducer = self.reducer
+        if self._collecting():
+            for key, grad in zip(keys, grads):
+                if not reducer.compresses(grad, key):
+                    continue
+                acc = self._accumulators.get(key)
+                if acc is None:
+                    # fp32 sums: an epoch of fp16 gradients can overflow fp16
+                    acc = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+                    self._accumulators[key] = acc
+                acc.add_(grad)
+        for key, grad in zip(keys, grads):
+            self.ledger.add(key, *self._cost(key, grad, world))
+
+    def _cost(self, key: str, grad: torch.Tensor, world: int) -> tuple[int, float]:
+        dense = key in self.reducer.dense_keys
+        level = None if dense else self.reducer.compressor.level(key)
+        cost = self._costs.get((key, level, world))
+        if cost is None:
+            name = Dense.name if dense else self.compressor_name
+            shape, size = tuple(grad.shape), grad.element_size()
+            cost = (paper_floats(shape, name, level, world),
+                    wire_bytes(shape, name, level, world, size))  # fmt: skip
+            self._costs[(key, level, world)] = cost
+        return cost
+
+    def _compressed_keys(self) -> list[str]:
+        """Keys that go through the compressor (it applies to them and they are not dense)."""
+        applies, dense = self.reducer.compressor.applies_to, self.reducer.dense_keys
+        return [k for k, s in self.params.shapes.items() if applies(s) and k not in dense]
+
+    def exchange(
+        self, keys: Sequence[str], grads: Sequence[torch.Tensor], world: int
+    ) -> Exchange[bool]:
+        """The exchange averaging ``grads`` in place (see :class:`Reducer`)."""
+        return self.reducer.exchange(keys, grads, world)
+
+    def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Average ``p.grad`` over the process group in place, with compression: the
+        same work as the hook, for loops without DDP. Call it after ``backward()``.
+
+        ``parameters`` defaults to the bound module's parameters; those without a
+        gradient are skipped (the same set must have gradients on every rank).
+        """
+        if parameters is None:
+            if self.params.module is None:
+                raise ValueError(
+                    "parameters must be given when no module is bound "
+                    "(pass model= to AccordionState or call bind_module)"
+                )
+            parameters = self.params.module.parameters()
+        params = [p for p in parameters if p.grad is not None]
+        keys = self.params.keys(params)
+        grads = [p.grad for p in params]
+        transport = self.transport()
+        self.observe(keys, grads, transport.world_size)
+        transport.run(self.exchange(keys, grads, transport.world_size))
+        if self.interval_unit == "epoch":
+            self.step += 1
+
+    # --- the cost model -------------------------------------------------------------------
+
+    def calibrate(self, bandwidth: float | None = None, latency: float | None = None, *,
+                  buckets: int | None = None, repeats: int = 5,
+                  compute_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+        """Measure what compression costs and saves, and send dense the tensors for which
+        it does not pay (the ``auto`` mode); see :func:`accordion.calibration.calibrate`."""
+        from .calibration import calibrate
+
+        return calibrate(self, bandwidth, latency, buckets=buckets, repeats=repeats,
+                         compute_s=compute_s)  # fmt: skip
+
+    def set_dense(self, keys: Iterable[str]) -> None:
+        """Send these parameter keys dense from the next step on (and compress the others
+        as usual). What their error-feedback memory owes goes with their next step."""
+        if isinstance(keys, str):
+            raise TypeError("keys must be an iterable of parameter keys, not a single str")
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self.params.shapes]
+        if unknown:
+            raise ValueError(f"keys must be bound parameter keys, unknown: {unknown[:5]}")
+        self.reducer.set_dense(keys)
+        for key in keys:
+            self._accumulators.pop(key, None)  # a dense tensor's level never matters
+
+    @property
+    def dense_keys(self) -> list[str]:
+        """Keys sent dense by the cost model's choice (see :meth:`calibrate`)."""
+        return [k for k in self.params.shapes if k in self.reducer.dense_keys]
+
+    # --- decisions ------------------------------------------------------------------------
+
+    def end_epoch(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        next_lr: float | None = None,
+        lr_will_decay: bool | None = None,
+    ) -> dict[str, bool]:
+        """End the current epoch: decide each layer's rung for the next epochs.
+
+        Call it on every rank after ``scheduler.step()``. A learning-rate decay is
+        detected by comparing ``optimizer.param_groups[0]["lr"]`` (or ``next_lr``) with
+        the value seen at the previous call; ``lr_will_decay`` overrides that. Collective
+        at a check: the statistics are agreed over the ranks (``statistic``).
+
+        Returns:
+            Parameter key -> True (critical: the mildest rung) or False, for the
+            compressed parameters; :meth:`rungs` gives the rung indices. The levels take
+            effect from the next step.
+        """
+        if self.interval_unit != "epoch":
+            raise ValueError("end_epoch needs interval_unit='epoch'; this state counts steps")
+        decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        if not self.adaptive or not self._compressed_keys():  # nothing has a level to pick
+            self.epoch += 1
+            return {}
+        index = self.schedule.check_index(self.epoch)
+        if index is not None:
+            self._check(index, decay, f"epoch {self.epoch}")
+        elif decay:  # every layer critical at once, until the next check
+            self._set_rungs(dict.fromkeys(self._rungs, 0))
+        self.epoch += 1
+        return self.critical()
+
+    def end_step(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        next_lr: float | None = None,
+        lr_will_decay: bool | None = None,
+    ) -> dict[str, bool] | None:
+        """Count one optimizer step (``interval_unit="step"``); call it on every rank
+        after ``optimizer.step()`` (and after ``scheduler.step()`` if it steps per
+        iteration). At the end of each window of ``interval`` steps the rule decides, as
+        :meth:`end_epoch` does per epoch. A learning-rate decay switches every layer to
+        the mildest rung at once, until the end of the next window.
+
+        Returns the decisions (as :meth:`end_epoch`) at a window end, else ``None``.
+        """
+        if self.interval_unit != "step":
+            raise ValueError("end_step needs interval_unit='step'; this state counts epochs")
+        decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        self.step += 1
+        if not self.adaptive or not self._compressed_keys():
+            return None
+        index = self.schedule.check_index(self.step)
+        if index is None:
+            if decay:  # a decay makes every layer critical at once, not at the window end
+                self._set_rungs(dict.fromkeys(self.levels(), 0), keep=True)
+            return None
+        self._check(index, decay, f"the step window ending at step {self.step}")
+        return self.critical()
+
+    def _check(self, index: int, decay: bool, period: str) -> None:
+        """One decision of the rule, from statistics agreed by every rank."""
+        grad_norms, memory_norms = self._agreed_statistics()
+        if not grad_norms:
+            raise RuntimeError(
+                f"no gradient reached the Accordion state during {period}: "
+                "is the hook registered (or reduce_gradients called) every step?"
+            )
+        observation = Observation(index, self.interval_unit, decay, grad_norms,
+                                  memory_norms, dict(self._rungs))  # fmt: skip
+        rungs = self.rule.decide(observation, self.ladder)
+        if not isinstance(rungs, Mapping):
+            raise TypeError(
+                f"{type(self.rule).__name__}.decide must return a Mapping, got {rungs!r}"
+            )
+        unknown = [k for k in rungs if k not in grad_norms]
+        if unknown:
+            raise ValueError(
+                f"{type(self.rule).__name__}.decide named unknown layers {unknown[:5]}"
+            )
+        self._set_rungs({k: self.ladder.check_rung(k, r) for k, r in rungs.items()})
+        for acc in self._accumulators.values():
+            acc.zero_()
+
+    def _set_rungs(self, rungs: Mapping[str, int], keep: bool = False) -> None:
+        """Apply ``rungs``: the decision in force, unless ``keep`` (a mid-window override)."""
+        comp = self.reducer.compressor
+        by_rung: dict[int, list[str]] = {}
+        for key, rung in rungs.items():
+            by_rung.setdefault(rung, []).append(key)
+        for rung in sorted(by_rung):
+            comp.set_level(self.ladder[rung], keys=by_rung[rung])
+        if not keep:
+            self._rungs = dict(rungs)
+
+    def _agreed_statistics(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Norms of the accumulated local gradients (and of the memories, when the rule
+        needs them), identical on every rank: one collective through the transport."""
+        keys = [k for k in self.params.shapes if k in self._accumulators]
+        if not keys:
+            return {}, {}
+        values = [torch.linalg.vector_norm(self._accumulators[k]) for k in keys]
+        with_memory = "memory_norms" in self.rule.needs
+        if with_memory:
+            values += [_norm(self.reducer.memory.get(k), values[0]) for k in keys]
+        norms = torch.stack(values).double()
+        transport = self.transport()
+        if transport.world_size > 1:
+            op = Broadcast(norms, 0) if self.statistic == "rank0" else AllReduce(norms)
+            transport.run(_single(op))
+            if self.statistic == "mean":
+                norms /= transport.world_size
+        flat = norms.tolist()
+        grad_norms = dict(zip(keys, flat[: len(keys)]))
+        return grad_norms, dict(zip(keys, flat[len(keys) :])) if with_memory else {}
+
+    def critical(self) -> dict[str, bool]:
+        """Per layer of the decision in force: whether it is at the mildest rung."""
+        return {key: rung == 0 for key, rung in self._rungs.items()}
+
+    def rungs(self) -> dict[str, int]:
+        """Per layer of the decision in force: its rung (0 is the mildest)."""
+        return dict(self._rungs)
+
+    # --- statistics and checkpoints -------------------------------------------------------
+
+    def levels(self) -> dict[str, Any]:
+        """The level each bound parameter that the compressor applies to will use at the
+        next step (``None`` for those the cost model sends dense)."""
+        comp, dense = self.reducer.compressor, self.reducer.dense_keys
+        return {
+            k: None if k in dense else comp.level(k)
+            for k, s in self.params.shapes.items()
+            if comp.applies_to(s)
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot for logging.
+
+        ``layers`` maps each parameter key to its current ``level`` (``None`` when it is
+        sent dense), ``shape``, ``floats`` (paper convention) and ``bytes`` (wire) sent so
+        far by this rank; ``checks`` is the rule's history (the paper rule: per check and
+        layer, the old norm, new norm, ratio (``None`` for infinity) and the decision).
+        """
+        comp = self.reducer.compressor
+        totals = self.ledger.totals()
+        compressed = set(self._compressed_keys())
+        layers = {}
+        for key, shape in self.params.shapes.items():
+            sent = totals.get(key, {"floats": 0, "bytes": 0.0})
+            layers[key] = {
+                "level": comp.level(key) if key in compressed else None,
+                "shape": list(shape),
+                "floats": sent["floats"],
+                "bytes": sent["bytes"],
+            }
+        return {
+            "compressor": self.compressor_name,
+            "mild": self.mild,
+            "aggressive": self.aggressive,
+            "ladder": list(self.ladder.levels),
+            "epoch": self.epoch,
+            "step": self.step,
+            "total_floats": self.ledger.total_floats,
+            "total_bytes": self.ledger.total_bytes,
+            "non_finite_steps": self.reducer.non_finite_steps,
+            "dense_keys": self.dense_keys,
+            "calibration": self.calibration,
+            "layers": layers,
+            "checks": self.rule.history,
+        }
+
+    def config(self) -> dict[str, Any]:
+        """The settings a checkpoint must share with the state that loads it."""
+        return {
+            "compressor": self.compressor_name,
+            "levels": list(self.ladder.levels),
+            "interval": self.schedule.interval,
+            "statistic": self.statistic,
+            "interval_unit": self.interval_unit,
+            "seed": self.seed,
+            "rule": {"name": self.rule.name, **self.rule.config()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: tensors and plain values (``torch.load(weights_only=True)``).
+
+        Error-feedback memories differ between ranks, so every rank saves its own file,
+        e.g. ``torch.save(state.state_dict(), f"{dir}/accordion-rank{rank}.pt")``, and
+        loads its own on resume with the same world size.
+        """
+        world = self._world_size()
+        return {
+            "format": checkpoint.FORMAT,
+            "world_size": world,
+            "rank": dist.get_rank(self.process_group) if world > 1 else 0,
+            "config": self.config(),
+            "shapes": {k: list(s) for k, s in self.params.shapes.items()},
+            "reducer": self.reducer.state_dict(),
+            "accumulators": {k: a.clone() for k, a in self._accumulators.items()},
+            "rule": self.rule.state_dict(),
+            "rungs": dict(self._rungs),
+            "ledger": self.ledger.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "last_lr": self._decay.last_lr,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved by the same rank of a job with the same world
+        size, model and configuration (checkpoints of format 1, written before the policy
+        layer, are read too); anything else raises ``ValueError``."""
+        state = checkpoint.upgrade(state)
+        world = self._world_size()
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        checkpoint.check_owner(state, world, rank, self.config())
+        self.params.expect(state["shapes"])
+        self.reducer.load_state_dict(state["reducer"])
+        self._accumulators = {k: a.clone() for k, a in state["accumulators"].items()}
+        self.rule.load_state_dict(state["rule"])
+        self._rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
+        self.ledger.load_state_dict(state["ledger"])
+        self.epoch = int(state["epoch"])
+        self.step = int(state["step"])
+        self._decay.last_lr = state["last_lr"]
+
+
+def _ladder(cls, mild: Any, aggressive: Any, levels: Sequence[Any] | None) -> Ladder:
+    """The ladder from ``levels``, or from ``mild``/``aggressive`` (or their defaults)."""
+    if levels is not None:
+        if mild is not None or aggressive is not None:
+            raise ValueError("give levels or mild/aggressive, not both")
+        return Ladder(cls, levels)
+    default_mild, default_aggressive = cls.default_levels
+    mild = default_mild if mild is None else mild
+    aggressive = default_aggressive if aggressive is None else aggressive
+    cls.check_level(mild)  # the mild level's own error comes first, as it is the first given
+    return Ladder(cls, (mild, aggressive))
+
+
+def _rule(rule: Rule | None, eta: float | None) -> Rule:
+    if rule is None:
+        return PaperRule(0.5 if eta is None else eta)
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be an accordion.policy.Rule, got {type(rule).__name__}")
+    if eta is not None:
+        raise ValueError("eta is the paper rule's threshold: give it to PaperRule(eta), not "
+                         "with another rule")  # fmt: skip
+    return rule
+
+
+def _norm(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``tensor`` as ``like``'s dtype (0 for no tensor: no memory)."""
+    if tensor is None:
+        return torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.linalg.vector_norm(tensor).to(like.dtype)
+
+
+def _single(op) -> Exchange[None]:
+    """An exchange of one collective."""
+    yield [op]
