@@ -1,0 +1,84 @@
+"""Checkpoints written before the policy layer (format 1) still load, and resume exactly.
+
+``tests/data/accordion-format1.pt`` was written by ``tests/data/make_format1_fixture.py``
+with the code of commit 5847b17: for each interval unit, a format-1 checkpoint after 5
+calls, the weights then, and what 4 more calls of that code gave (levels, statistics,
+error-feedback memory).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from accordion.ddp import AccordionState
+
+FIXTURE = Path(__file__).parent / "data" / "accordion-format1.pt"
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def step(net, state, seed):
+    gen = torch.Generator().manual_seed(seed)
+    net.zero_grad()
+    net(torch.randn(5, 8, generator=gen)).pow(2).sum().backward()
+    state.reduce_gradients()
+
+
+def _resumed(unit: str):
+    saved = torch.load(FIXTURE, weights_only=True)[unit]
+    net = make_net()
+    net.load_state_dict(saved["weights"])
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=2, eta=2.0,
+                           interval_unit=unit)  # fmt: skip
+    state.load_state_dict(saved["checkpoint"])
+    end = state.end_epoch if unit == "epoch" else state.end_step
+    for i in range(5, 9):
+        step(net, state, i)
+        end(next_lr=0.05)
+    return state, saved["after"]
+
+
+@pytest.mark.parametrize("unit", ["epoch", "step"])
+def test_a_format_1_checkpoint_resumes_with_the_levels_and_checks_the_old_code_reached(unit):
+    state, after = _resumed(unit)
+    assert state.levels() == after["levels"]
+    stats = state.stats()
+    assert stats["checks"] == after["stats"]["checks"]
+    assert stats["layers"] == after["stats"]["layers"]
+    assert (stats["epoch"], stats["step"]) == (after["stats"]["epoch"], after["stats"]["step"])
+
+
+@pytest.mark.parametrize("unit", ["epoch", "step"])
+def test_a_format_1_checkpoint_resumes_with_the_same_error_feedback_memory(unit):
+    state, after = _resumed(unit)
+    for key, memory in after["memory"].items():
+        assert torch.equal(state.reducer.memory.get(key), memory), key
+
+
+def test_a_format_1_checkpoint_of_another_configuration_is_refused():
+    saved = torch.load(FIXTURE, weights_only=True)["epoch"]["checkpoint"]
+    state = AccordionState(make_net(), "powersgd", mild=4, aggressive=1, interval=2, eta=2.0)
+    with pytest.raises(ValueError, match="levels is \\[2, 1\\]"):
+        state.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("fmt", [0, 3, None, "1"])
+def test_a_checkpoint_of_an_unknown_format_is_refused_with_the_readable_formats(fmt):
+    saved = AccordionState(make_net()).state_dict()
+    saved["format"] = fmt
+    with pytest.raises(ValueError, match=r"format 2, or an older format in \(1, 2\)"):
+        AccordionState(make_net()).load_state_dict(saved)
+
+
+def test_a_truncated_format_1_checkpoint_is_a_value_error_not_a_key_error():
+    saved = dict(torch.load(FIXTURE, weights_only=True)["epoch"]["checkpoint"])
+    del saved["detector"]
+    with pytest.raises(ValueError, match="incomplete or malformed"):
+        AccordionState(make_net()).load_state_dict(saved)
