@@ -89,9 +89,13 @@ def test_get_model_rejects_non_str_name(name: object) -> None:
         get_model(name)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("num_classes", [0, -1, 2.5, True, "10"])
-def test_get_model_rejects_bad_num_classes(num_classes: object) -> None:
-    with pytest.raises(ValueError, match="num_classes") as excinfo:
+@pytest.mark.parametrize(
+    ("num_classes", "error"),
+    [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError), ("10", TypeError)],
+)
+def test_get_model_rejects_bad_num_classes(num_classes: object, error: type[Exception]) -> None:
+    # the architecture issue: a wrong type is a TypeError, a bad value a ValueError
+    with pytest.raises(error, match="num_classes") as excinfo:
         get_model("mnist1d-cnn", num_classes=num_classes)  # type: ignore[arg-type]
     assert repr(num_classes) in str(excinfo.value)
     assert "positive int" in str(excinfo.value)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_bool, check_choice, check_int
 from .regime import RegimeDetector
 
 __all__ = ["MODES", "LR_SCALINGS", "BatchSizeController", "accumulation_loss_scale"]
@@ -84,14 +84,6 @@ _STATE_KEYS = frozenset(
         "history",
     }
 )
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be one of {allowed}, got {value!r}")
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
 
 
 def accumulation_loss_scale(accumulation_steps: int) -> float:
@@ -186,8 +178,8 @@ class BatchSizeController:
                     f"{self._micro_batch} * {self._world_size} = {per_pass} samples (a whole "
                     f"number of micro-batches per worker), got {name}={value}"
                 )
-        self._mode = _check_choice("mode", mode, MODES)
-        self._lr_scaling = _check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
+        self._mode = check_choice("mode", mode, MODES)
+        self._lr_scaling = check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
         self._warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self._fixed_switch_epoch = check_int("fixed_switch_epoch", fixed_switch_epoch, 0)
         # the rule lives in one place: interval and eta are validated (and used) there
@@ -363,8 +355,7 @@ class BatchSizeController:
                 :attr:`current_epoch`, so epochs skipped before a check lose its statistic).
         """
         epoch = check_int("epoch", epoch, 0)
-        if not isinstance(lr_will_decay, bool):
-            raise TypeError(f"lr_will_decay must be a bool, got {lr_will_decay!r}")
+        check_bool("lr_will_decay", lr_will_decay)
         if self._last_epoch is not None and epoch <= self._last_epoch:
             raise ValueError(
                 f"epoch must be greater than the last epoch given ({self._last_epoch}): "

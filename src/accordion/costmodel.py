@@ -19,6 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._validate import check_int, check_number
 from .accounting import check_world_size, wire_bytes
 
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -202,19 +203,15 @@ def choose_dense(
     (none on a tie).
     """
     check_world_size(world_size)
-    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
-        raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
+    check_int("buckets", buckets, 1)
     extra_latency = buckets * 2 * (world_size - 1) * latency
     if compute_s is None:
         paying = [c for c in costs if c.saving_s > 0]
         if sum(c.saving_s for c in paying) <= extra_latency:
             return [c.key for c in costs]
         return [c.key for c in costs if c.saving_s <= 0]
-    for name, value in (("compute_s", compute_s), ("other_s", other_s)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be >= 0 and finite seconds, got {value!r}")
+    check_number("compute_s", compute_s, minimum=0, unit="seconds")
+    check_number("other_s", other_s, minimum=0, unit="seconds")
     order = sorted(
         costs,
         key=lambda c: (c.dense_s - c.compressed_s) / max(c.compute_s, 1e-12),

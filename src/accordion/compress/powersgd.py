@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 import zlib
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .._validate import check_int
 from .base import Compressor, Result, check_shape, register
 from .transport import AllReduce, Exchange
 from .wire import Message
@@ -17,11 +17,7 @@ from .wire import Message
 
 def check_rank(rank: Any) -> int:
     """Validate a PowerSGD rank (an int >= 1, not a bool) and return it as an int."""
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-        raise TypeError(f"rank must be an int >= 1, got {rank!r}")
-    if rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank}")
-    return int(rank)
+    return check_int("rank", rank, 1)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .wire import allgather_bytes, allreduce_bytes
+from .wire import allgather_bytes, allreduce_bytes, check_world_size
 
 T = TypeVar("T")
 
@@ -104,9 +104,7 @@ class SimulatedTransport:
     """
 
     def __init__(self, world_size: int):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        self.world_size = world_size
+        self.world_size = check_world_size(world_size)
         #: Bytes each worker has sent so far (ring algorithms).
         self.bytes_sent = 0.0
 

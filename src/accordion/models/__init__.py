@@ -85,7 +85,9 @@ def get_model(name: str, num_classes: int = 10, **kwargs: object) -> nn.Module:
         or not isinstance(num_classes, numbers.Integral)
         or num_classes < 1
     ):
-        raise ValueError(f"num_classes must be a positive int (1, 2, ...), got {num_classes!r}")
+        wrong_type = isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral)
+        error = TypeError if wrong_type else ValueError
+        raise error(f"num_classes must be a positive int (1, 2, ...), got {num_classes!r}")
     if name == "lstm":
         return LSTMLanguageModel(**kwargs)  # type: ignore[arg-type]
     return _CLASSIFIERS[name](num_classes=int(num_classes), **kwargs)

@@ -40,7 +40,9 @@ class LSTMLanguageModel(nn.Module):
         super().__init__()
         sizes = {"ntoken": ntoken, "hidden_size": hidden_size, "num_layers": num_layers}
         for arg, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{arg} must be a positive int, got {value!r}")
+            if value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
