@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -67,3 +67,17 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_state_keys(state: Any, expected: frozenset[str], owner: str) -> None:
+    """Raise ``TypeError`` unless ``state`` is a Mapping, and ``ValueError`` naming the
+    missing and unexpected keys unless it has exactly ``expected`` (``owner.state_dict()``)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a Mapping from {owner}.state_dict(), got {state!r}")
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"state is not a {owner} state_dict: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )

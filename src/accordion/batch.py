@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ._validate import check_bool, check_choice, check_int
+from ._validate import check_bool, check_choice, check_int, check_state_keys
 from .regime import RegimeDetector
 
 __all__ = ["MODES", "LR_SCALINGS", "BatchSizeController", "accumulation_loss_scale"]
@@ -520,18 +520,27 @@ class BatchSizeController:
             ValueError: missing or unexpected keys, a config field that differs (named), or
                 invalid values.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"state must be a Mapping from BatchSizeController.state_dict(), got {state!r}"
-            )
-        missing = sorted(_STATE_KEYS - set(state))
-        unexpected = sorted(set(state) - _STATE_KEYS)
-        if missing or unexpected:
-            raise ValueError(
-                f"state is not a BatchSizeController state_dict: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
-        config = state["config"]
+        check_state_keys(state, _STATE_KEYS, "BatchSizeController")
+        self._check_config(state["config"])
+        batch_size, last_epoch, steps_since_switch, warmup_from, observed_steps, accumulator = (
+            self._checked_values(state)
+        )
+        history = state["history"]
+        if not isinstance(history, list):
+            raise TypeError(f"state['history'] must be a list of records, got {history!r}")
+        # load into a fresh detector first, so that a bad state leaves this one untouched
+        detector = RegimeDetector(interval=self._detector.interval, eta=self._detector.eta)
+        detector.load_state_dict(state["detector"])
+        self._batch_size = int(batch_size)
+        self._last_epoch = last_epoch
+        self._steps_since_switch = steps_since_switch
+        self._warmup_from = warmup_from
+        self._accumulator = accumulator
+        self._observed_steps = observed_steps
+        self._detector = detector
+        self.history = copy.deepcopy(history)
+
+    def _check_config(self, config: Any) -> None:
         if not isinstance(config, Mapping):
             raise TypeError(f"state['config'] must be a Mapping, got {config!r}")
         mine = self._config()
@@ -542,6 +551,9 @@ class BatchSizeController:
                     f"controller's {key} is {mine[key]!r}: build the controller with the same "
                     f"{key}"
                 )
+
+    def _checked_values(self, state: Mapping[str, Any]) -> tuple:
+        """The state's counters and accumulator, validated (copies: the state is not kept)."""
         batch_size = state["batch_size"]
         if batch_size not in (self._small, self._large) or isinstance(batch_size, bool):
             raise ValueError(
@@ -573,17 +585,4 @@ class BatchSizeController:
                     f"got {type(accumulator).__name__}"
                 )
             accumulator = [a.detach().clone() for a in accumulator]
-        history = state["history"]
-        if not isinstance(history, list):
-            raise TypeError(f"state['history'] must be a list of records, got {history!r}")
-        # load into a fresh detector first, so that a bad state leaves this one untouched
-        detector = RegimeDetector(interval=self._detector.interval, eta=self._detector.eta)
-        detector.load_state_dict(state["detector"])
-        self._batch_size = int(batch_size)
-        self._last_epoch = last_epoch
-        self._steps_since_switch = steps_since_switch
-        self._warmup_from = warmup_from
-        self._accumulator = accumulator
-        self._observed_steps = observed_steps
-        self._detector = detector
-        self.history = copy.deepcopy(history)
+        return batch_size, last_epoch, steps_since_switch, warmup_from, observed_steps, accumulator

@@ -225,13 +225,7 @@ def calibrate(
     transport = controller.transport()
     world = transport.world_size
     group = getattr(transport, "group", None)
-    samples: list[list[float]] = []
-    if bandwidth is None:
-        if world == 1:
-            raise ValueError("a single process has no link to measure: give bandwidth")
-        link = measure_link(group)
-        bandwidth, latency = link.bandwidth, link.latency
-        samples = [[nbytes, seconds] for nbytes, seconds in link.samples]
+    bandwidth, latency, samples = _link(bandwidth, latency, world, group)
     if buckets is None:
         total = sum(math.prod(s) * params.element_size[k] for k, s in params.shapes.items())
         buckets = 1 + math.ceil(total / DDP_BUCKET_BYTES)
@@ -246,6 +240,16 @@ def calibrate(
     controller.set_dense(dense)
     controller.calibration = _report(bandwidth, latency, samples, buckets, compute_s, dense, costs)
     return controller.calibration
+
+
+def _link(bandwidth, latency, world: int, group: Any) -> tuple[float, float, list[list[float]]]:
+    """The given link, or one measured over ``group`` with its samples."""
+    if bandwidth is not None:
+        return bandwidth, latency, []
+    if world == 1:
+        raise ValueError("a single process has no link to measure: give bandwidth")
+    link = measure_link(group)
+    return link.bandwidth, link.latency, [[nbytes, seconds] for nbytes, seconds in link.samples]
 
 
 def _check_calibration(bandwidth, latency, buckets, repeats, compute_s) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._validate import check_bool as _check_bool
-from ._validate import check_int
+from ._validate import check_int, check_state_keys
 from .policy.rules import check_eta as _check_eta
 from .policy.rules import paper_check
 
@@ -81,18 +81,6 @@ def _check_norms(norms: Any) -> dict[str, float]:
             raise TypeError(f"norms keys must be tensor names (str), got {name!r}")
         checked[name] = _to_norm(name, value)
     return checked
-
-
-def _check_keys(state: Any, expected: frozenset[str], owner: str) -> None:
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a Mapping from {owner}.state_dict(), got {state!r}")
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"state is not a {owner} state_dict: missing keys {missing}, "
-            f"unexpected keys {unexpected}"
-        )
 
 
 class RegimeDetector:
@@ -259,7 +247,7 @@ class RegimeDetector:
             ValueError: missing or unexpected keys, a different ``interval`` or ``eta``, or
                 invalid values.
         """
-        _check_keys(state, _STATE_KEYS, "RegimeDetector")
+        check_state_keys(state, _STATE_KEYS, "RegimeDetector")
         if state["interval"] != self._interval:
             raise ValueError(
                 f"state['interval'] is {state['interval']!r} epochs but this detector's "
@@ -383,7 +371,7 @@ class StepRegimeDetector:
             TypeError: ``state`` is not a Mapping, or a value has the wrong type.
             ValueError: missing or unexpected keys, a different ``interval_steps`` or ``eta``.
         """
-        _check_keys(state, _STEP_STATE_KEYS, "StepRegimeDetector")
+        check_state_keys(state, _STEP_STATE_KEYS, "StepRegimeDetector")
         if state["interval_steps"] != self._interval_steps:
             raise ValueError(
                 f"state['interval_steps'] is {state['interval_steps']!r} steps but this "

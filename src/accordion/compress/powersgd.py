@@ -193,12 +193,24 @@ class PowerSGD(Compressor):
     ) -> Exchange[Result]:
         if not tensors:
             return []
+        p_flat, q_flat, plan = self._project(keys, tensors)
+        yield [AllReduce(p_flat)]
+        for _, mb, p, q in plan:
+            orthogonalize_(p.transpose(1, 2))
+            torch.bmm(p, mb, out=q)  # Q^T = P^T M
+
+        yield [AllReduce(q_flat)]
+        q_flat.div_(world_size)
+        return self._reconstruct(keys, tensors, plan, out)
+
+    def _project(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor]):
+        """Group the tensors by ``(n, m, r')`` and compute every ``P^T = Q^T M^T`` into one
+        flat buffer; returns it, the flat buffer for Q and the plan per group."""
         dtype, device = tensors[0].dtype, tensors[0].device
         groups: dict[tuple[int, int, int], list[int]] = {}
         for i, (key, t) in enumerate(zip(keys, tensors)):
             n, m = matrix_shape(t.shape)
             groups.setdefault((n, m, powersgd_rank(t.shape, self.level(key))), []).append(i)
-
         p_flat = torch.empty(
             sum(len(ix) * n * r for (n, _, r), ix in groups.items()), dtype=dtype, device=device
         )
@@ -224,14 +236,11 @@ class PowerSGD(Compressor):
             plan.append((ix, mb, p, q))
             p_off += b * n * r
             q_off += b * m * r
+        return p_flat, q_flat, plan
 
-        yield [AllReduce(p_flat)]
-        for _, mb, p, q in plan:
-            orthogonalize_(p.transpose(1, 2))
-            torch.bmm(p, mb, out=q)  # Q^T = P^T M
-
-        yield [AllReduce(q_flat)]
-        q_flat.div_(world_size)
+    def _reconstruct(self, keys, tensors, plan, out) -> Result:
+        """The averages ``P Q^T`` (into ``out`` when given), the residuals ``M - P Q^T`` in
+        place of the inputs, and the new warm-start Q of every key."""
         results: Result = [None] * len(tensors)  # type: ignore[list-item]
         for ix, mb, p, q in plan:
             n, m = mb.shape[1:]

@@ -105,56 +105,58 @@ class Reducer:
         self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int
     ) -> Exchange[bool]:
         """Average ``grads`` in place; the exchange returns whether the result was finite."""
-        check_world_size(world_size)
-        if len(keys) != len(grads):
-            raise ValueError(f"keys and grads differ in length: {len(keys)} != {len(grads)}")
-        if len(set(keys)) != len(keys):
-            raise ValueError("keys must be unique")
-        for key, g in zip(keys, grads):
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(f"gradient for {key!r} must be a Tensor, got {type(g).__name__}")
-            if not g.is_floating_point():
-                raise TypeError(f"gradient for {key!r} must be floating point, got {g.dtype}")
+        _check_gradients(keys, grads, world_size)
+        exchanges, order, owed = self._start(keys, grads, world_size)
+        received: list[torch.Tensor] = []
+        results = yield from _recording(parallel(*exchanges), received)
+        return self._finish(keys, grads, order, results, received, owed)
 
+    def _start(self, keys, grads, world_size):
+        """One exchange per part of the tensors; the parts' order; the dense keys whose
+        memory is sent now (and then forgotten)."""
         # One exchange per (kind, dtype, device): a collective carries a single dtype.
         parts: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
         for i, g in enumerate(grads):
             parts.setdefault((self.compresses(g, keys[i]), g.dtype, g.device), []).append(i)
         exchanges, order = [], []
-        owed: list[Hashable] = []  # dense keys whose memory is sent (and then forgotten)
+        owed: list[Hashable] = []
         for (compressed, _, _), ix in parts.items():
-            part_keys = [keys[i] for i in ix]
             if compressed:
-                # One buffer for the part, tensors of one shape side by side: a compressor
-                # that batches them (PowerSGD) takes a view instead of copying them together.
-                ix.sort(key=lambda i: tuple(grads[i].shape))
-                part_keys = [keys[i] for i in ix]
-                flat = self._buffer(part_keys, [grads[i] for i in ix])
-                inputs, offset = [], 0
-                for i in ix:
-                    size = grads[i].numel()
-                    out = flat[offset : offset + size].view(grads[i].shape)
-                    inputs.append(self.memory.compensate(keys[i], grads[i], out=out))
-                    offset += size
-                # the averages are written straight into the gradients
-                targets = [grads[i].detach() for i in ix]
-                exchanges.append(
-                    self.compressor.exchange(part_keys, inputs, world_size, out=targets)
-                )
+                exchanges.append(self._compressed_part(ix, keys, grads, world_size))
             else:
-                # a key newly sent dense still owes its memory: send it now, then forget it
-                inputs = []
-                for i in ix:
-                    if self.memory.get(keys[i]) is None:
-                        inputs.append(grads[i].detach())
-                    else:
-                        owed.append(keys[i])
-                        inputs.append(self.memory.compensate(keys[i], grads[i]))
-                exchanges.append(self._dense.exchange(part_keys, inputs, world_size))
+                exchanges.append(self._dense_part(ix, keys, grads, world_size, owed))
             order.append((compressed, ix))
-        received: list[torch.Tensor] = []
-        results = yield from _recording(parallel(*exchanges), received)
+        return exchanges, order, owed
 
+    def _compressed_part(self, ix, keys, grads, world_size) -> Exchange[Any]:
+        # One buffer for the part, tensors of one shape side by side: a compressor that
+        # batches them (PowerSGD) takes a view instead of copying them together.
+        ix.sort(key=lambda i: tuple(grads[i].shape))
+        part_keys = [keys[i] for i in ix]
+        flat = self._buffer(part_keys, [grads[i] for i in ix])
+        inputs, offset = [], 0
+        for i in ix:
+            size = grads[i].numel()
+            out = flat[offset : offset + size].view(grads[i].shape)
+            inputs.append(self.memory.compensate(keys[i], grads[i], out=out))
+            offset += size
+        # the averages are written straight into the gradients
+        targets = [grads[i].detach() for i in ix]
+        return self.compressor.exchange(part_keys, inputs, world_size, out=targets)
+
+    def _dense_part(self, ix, keys, grads, world_size, owed: list[Hashable]) -> Exchange[Any]:
+        # a key newly sent dense still owes its memory: send it now, then forget it
+        inputs = []
+        for i in ix:
+            if self.memory.get(keys[i]) is None:
+                inputs.append(grads[i].detach())
+            else:
+                owed.append(keys[i])
+                inputs.append(self.memory.compensate(keys[i], grads[i]))
+        return self._dense.exchange([keys[i] for i in ix], inputs, world_size)
+
+    def _finish(self, keys, grads, order, results, received, owed) -> bool:
+        """Keep the residuals (unless the step was not finite) and write the averages."""
         outputs: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
         residuals: dict[Hashable, torch.Tensor | None] = {}
         for (compressed, ix), part in zip(order, results):
@@ -174,23 +176,27 @@ class Reducer:
             for key in owed:
                 self.memory.update(key, None)
         elif residuals:
-            # the memory lives in the buffer the next step but one reuses: detach it
-            for key in residuals:
-                memory = self.memory.get(key)
-                if memory is not None:
-                    self.memory.update(key, memory.clone())
-            self.non_finite_steps += 1
-            self.compressor.reset(residuals)
-            warnings.warn(
-                "non-finite averaged gradient: error-feedback memory left unchanged and "
-                "warm-start factors redrawn for this step",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self._skip_non_finite(residuals)
         for g, out in zip(grads, outputs):
             if out.data_ptr() != g.data_ptr():  # compressed averages are in place already
                 g.detach().copy_(out)
         return finite
+
+    def _skip_non_finite(self, residuals: Iterable[Hashable]) -> None:
+        residuals = list(residuals)
+        # the memory lives in the buffer the next step but one reuses: detach it
+        for key in residuals:
+            memory = self.memory.get(key)
+            if memory is not None:
+                self.memory.update(key, memory.clone())
+        self.non_finite_steps += 1
+        self.compressor.reset(residuals)
+        warnings.warn(
+            "non-finite averaged gradient: error-feedback memory left unchanged and "
+            "warm-start factors redrawn for this step",
+            RuntimeWarning,
+            stacklevel=3,  # as before this was a helper: the frame resuming the exchange
+        )
 
     def _buffer(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """A flat buffer for the compensated inputs of ``keys``, reused between steps.
@@ -223,3 +229,16 @@ def _recording(exchange: Exchange[Any], received: list[torch.Tensor]) -> Exchang
             return stop.value
         reply = yield phase
         received.extend(reply)
+
+
+def _check_gradients(keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world: int) -> None:
+    check_world_size(world)
+    if len(keys) != len(grads):
+        raise ValueError(f"keys and grads differ in length: {len(keys)} != {len(grads)}")
+    if len(set(keys)) != len(keys):
+        raise ValueError("keys must be unique")
+    for key, g in zip(keys, grads):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"gradient for {key!r} must be a Tensor, got {type(g).__name__}")
+        if not g.is_floating_point():
+            raise TypeError(f"gradient for {key!r} must be floating point, got {g.dtype}")
