@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -62,6 +62,10 @@ class Compressor(ABC):
     default_levels: ClassVar[tuple[Any, Any]]
     #: What a level is, as error messages say it ("an integer rank >= 1").
     level_help: ClassVar[str]
+    #: How a level is read from its text, before ``check_level`` (``int`` for ranks).
+    level_type: ClassVar[Callable[[str], Any]] = str
+    #: The compressor's name in prose ("PowerSGD").
+    title: ClassVar[str] = ""
 
     def __init__(self, level: Any = None):
         self.default_level = self.check_level(level)
@@ -84,7 +88,12 @@ class Compressor(ABC):
         """A level from its text form (command line, strategy strings)."""
         if not isinstance(text, str):
             raise TypeError(f"level text must be a str, got {text!r}")
-        return cls.check_level(text.strip())
+        try:
+            value = cls.level_type(text.strip())
+        except (TypeError, ValueError):
+            title = cls.title or cls.name
+            raise ValueError(f"a {title} level must be {cls.level_help}, got {text!r}") from None
+        return cls.check_level(value)
 
     @classmethod
     def level_text(cls, level: Any) -> str:

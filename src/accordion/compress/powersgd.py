@@ -103,6 +103,8 @@ class PowerSGD(Compressor):
     name = "powersgd"
     default_levels = (2, 1)
     level_help = "an integer rank >= 1"
+    level_type = int
+    title = "PowerSGD"
     RANK_CHANGE_POLICIES = ("redraw", "reuse")
 
     def __init__(self, rank: int = 2, seed: int = 0, on_rank_change: str = "reuse"):
@@ -123,15 +125,6 @@ class PowerSGD(Compressor):
     def check_level(cls, level: Any) -> int:
         """A rank: an int >= 1."""
         return check_rank(level)
-
-    @classmethod
-    def parse_level(cls, text: str) -> int:
-        """A rank from its text ("4")."""
-        try:
-            value = int(text)
-        except (TypeError, ValueError):
-            raise ValueError(f"a PowerSGD level must be {cls.level_help}, got {text!r}") from None
-        return check_rank(value)
 
     @classmethod
     def label(cls, level: Any) -> str:

@@ -52,6 +52,8 @@ class TopK(Compressor):
     name = "topk"
     default_levels = (0.99, 0.1)
     level_help = "a fraction in (0, 1]"
+    level_type = float
+    title = "top-k"
 
     def __init__(self, fraction: float = 0.1):
         super().__init__(fraction)
@@ -60,15 +62,6 @@ class TopK(Compressor):
     def check_level(cls, level: Any) -> float:
         """A fraction: a real number in (0, 1]."""
         return check_fraction(level)
-
-    @classmethod
-    def parse_level(cls, text: str) -> float:
-        """A fraction from its text ("0.99")."""
-        try:
-            value = float(text)
-        except (TypeError, ValueError):
-            raise ValueError(f"a top-k level must be {cls.level_help}, got {text!r}") from None
-        return check_fraction(value)
 
     @classmethod
     def label(cls, level: Any) -> str:
