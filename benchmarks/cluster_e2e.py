@@ -1,6 +1,6 @@
 """End-to-end time to accuracy on an emulated cluster, at several link rates.
 
-Builds ``--hosts`` emulated hosts (``accordion.harness.cluster``: network namespaces, a
+Builds ``--hosts`` emulated hosts (``accordion.cluster``: network namespaces, a
 bridge, every link limited by tc) and, for each link rate and each strategy, runs
 ``accordion train`` on the CPU-scale reproduction's task (MNIST-1D, its CNN, 60 epochs,
 lr decays at 30 and 45) as one torchrun node per host. It reports per run:
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from accordion.cluster import ClusterError, EmulatedCluster
 from accordion.costmodel import parse_bandwidth
-from accordion.harness.cluster import ClusterError, EmulatedCluster
 
 STRATEGIES = (
     "dense",

@@ -309,7 +309,9 @@ def test_ledger_load_state_dict_rejects_malformed_layer_entries(state: object) -
         Ledger().load_state_dict(state)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("steps", "error"), [(-1, ValueError), (True, TypeError), (1.0, TypeError)])
+@pytest.mark.parametrize(
+    ("steps", "error"), [(-1, ValueError), (True, TypeError), (1.0, TypeError)]
+)
 def test_ledger_record_rejects_steps_that_are_not_a_non_negative_int(
     steps: object, error: type[Exception]
 ) -> None:

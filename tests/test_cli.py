@@ -262,3 +262,52 @@ def test_python_dash_m_accordion_plan_json_succeeds_in_a_subprocess() -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert [entry["floats_per_step"] for entry in result["levels"]] == [11_173_962, 82_260, 45_935]
+
+
+# ------------------------------------------------------------------ defaults and the registry
+
+
+def _help(*argv: str) -> str:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(buffer.getvalue().split())  # argparse wraps lines: compare words
+
+
+def test_train_and_compare_help_state_the_defaults_of_train_config(monkeypatch) -> None:
+    import dataclasses
+
+    from accordion.harness.train import TrainConfig
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for command in ("train", "compare"):
+        text = _help(command)
+        for flag, shown in (("epochs", "60"), ("decay_epochs", "30,45"), ("lr", "0.1"),
+                            ("warmup_epochs", "2"), ("interval", "10")):  # fmt: skip
+            assert fields[flag].default is not None
+            assert f"(default {shown})" in text, (command, flag)
+    # one place: a changed field default is what the help says
+    monkeypatch.setattr(fields["epochs"], "default", 7)
+    assert "epochs (default 7)" in _help("train")
+
+
+def test_plan_help_lists_the_registered_compressors_with_their_default_levels() -> None:
+    from accordion.compress import compressor_names
+
+    text = _help("plan")
+    for name in compressor_names():
+        if name != "dense":
+            assert name in text
+    assert "powersgd '2,1'" in text and "topk '0.99,0.1'" in text
+
+
+def test_parse_levels_reads_any_registered_compressors_levels(monkeypatch) -> None:
+    from accordion.compress import base as compress_base
+    from test_harness_strategies import _Fake
+
+    monkeypatch.setitem(compress_base._REGISTRY, "fake", _Fake)
+    assert parse_levels("light,heavy", "fake") == ["light", "heavy"]
+    with pytest.raises(ValueError, match="'light', 'medium' or 'heavy'"):
+        parse_levels("light,huge", "fake")
+    with pytest.raises(ValueError, match="fake"):
+        parse_levels("1", "dense")

@@ -1,4 +1,4 @@
-"""Specification of the emulated cluster (accordion.harness.cluster) and `accordion cluster`.
+"""Specification of the emulated cluster (accordion.cluster) and `accordion cluster`.
 
 The argument and requirement checks run anywhere. The real ones build network namespaces
 and are skipped unless this process is root with ``ip`` and ``tc`` and may create a
@@ -16,19 +16,19 @@ import textwrap
 
 import pytest
 
-import accordion.harness.cluster as cluster_module
+import accordion.cluster.emulated as cluster_module
 from accordion.cli import main
-from accordion.costmodel import parse_bandwidth
-from accordion.harness.cluster import (
+from accordion.cluster import (
     ClusterError,
     ClusterRunError,
     EmulatedCluster,
+    bus_bandwidth,
     check_requirements,
     list_namespaces,
     remove_leftovers,
     tbf_parameters,
 )
-from accordion.harness.netprobe import bus_bandwidth
+from accordion.costmodel import parse_bandwidth
 
 TINY_TRAIN = [
     "train", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "64",
@@ -108,7 +108,7 @@ def test_the_constructor_names_namespaces_and_addresses_without_creating_anythin
     assert cluster.addresses == ["10.9.8.1", "10.9.8.2", "10.9.8.3"]
     assert cluster.bandwidth == pytest.approx(12.5e6)
     with pytest.raises(ClusterError, match="not started"):
-        cluster.run("accordion.harness.netprobe")
+        cluster.run("accordion.cluster.netprobe")
 
 
 def test_tbf_gets_the_exact_rate_in_bits_a_bucket_of_one_tick_and_a_larger_queue() -> None:

@@ -306,7 +306,9 @@ def test_make_plan_rejects_unknown_compressor(resnet18_shapes, compressor: str) 
         make_plan(resnet18_shapes, compressor, [1], 4, 10, TEN_GBIT, FIFTY_US)
 
 
-@pytest.mark.parametrize(("steps", "error"), [(-1, ValueError), (True, TypeError), (2.5, TypeError)])
+@pytest.mark.parametrize(
+    ("steps", "error"), [(-1, ValueError), (True, TypeError), (2.5, TypeError)]
+)
 def test_make_plan_rejects_steps_that_are_not_a_non_negative_int(
     resnet18_shapes, steps, error
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+import accordion  # noqa: E402
 from accordion.harness import plots  # noqa: E402
 
 LAYERS = ("conv1.weight", "conv2.weight", "fc.weight")
@@ -272,7 +273,7 @@ def test_plots_neither_import_pyplot_nor_touch_the_backend(results, tmp_path):
         "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
         "assert matplotlib.rcParams._get('backend') == before, 'backend changed'\n"
     )
-    src = str(Path(plots.__file__).parents[2])
+    src = str(Path(accordion.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     results["runs"] = results["runs"][:1]
     done = subprocess.run(
@@ -284,3 +285,76 @@ def test_plots_neither_import_pyplot_nor_touch_the_backend(results, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     _assert_png(tmp_path / "acc.png")
+
+
+# ------------------------------------------------------------------ ladders and the registry
+
+# today's colours of the built-in families (the plots before the registry drew these)
+PINNED_STYLES = {
+    "static:powersgd:4": "#418bbf",
+    "static:powersgd:1": "#84b4d6",
+    "static:powersgd:16": "#1f77b4",
+    "accordion:powersgd:4,1": "#d93738",
+    "accordion:powersgd:2,1:auto": "#dc4748",
+    "torch-powersgd:2": "#b495d1",
+    "static:topk:0.99": "#2ca02c",
+    "static:topk:0.01": "#80c680",
+    "static:topk:0.1": "#56b356",
+    "accordion:topk:0.99,0.01": "#ff7f0e",
+    "static-batch:64": "#7f7f7f",
+}
+
+
+def test_strategy_style_keeps_the_colours_of_the_built_in_families():
+    assert {s: plots.strategy_style(s)["color"] for s in PINNED_STYLES} == PINNED_STYLES
+    # a ladder is shaded by its mildest rung, as a two-level one
+    assert plots.strategy_style("accordion:powersgd:4,2,1") == plots.strategy_style(
+        "accordion:powersgd:4,1"
+    )
+
+
+def _ladder_results(strategy: str, ladder: tuple, per_epoch: list[dict]) -> dict:
+    run = _run(strategy, 0, ladder[0], ladder[-1])
+    for record, levels in zip(run["epochs"], per_epoch):
+        record["levels"] = levels
+    return _results([run])
+
+
+def test_plot_levels_names_every_rung_of_a_longer_ladder(tmp_path):
+    from accordion.compress import PowerSGD
+    from accordion.harness.plots import levels as levels_plot
+
+    rungs = [4, 4, 2, 1, 2, 4]  # per epoch; conv2 one rung more aggressive, fc missing
+    per_epoch = [
+        {"conv1.weight": r, "conv2.weight": max(1, r // 2), "fc.weight": None} for r in rungs
+    ]
+    results = _ladder_results("accordion:powersgd:4,2,1", (4, 2, 1), per_epoch)
+    _assert_png(plots.plot_levels(results, tmp_path / "levels.png"))
+    grid = [[r["levels"][layer] for r in results["runs"][0]["epochs"]] for layer in LAYERS]
+    categories = levels_plot._categories(PowerSGD, (4, 2, 1), grid)
+    assert [c[0] for c in categories] == [
+        "mild (rank 4), critical", "intermediate (rank 2)", "aggressive (rank 1)",
+    ]  # fmt: skip
+    assert len({c[1] for c in categories}) == 3
+    codes = levels_plot._codes(grid, categories)
+    assert codes[0].tolist() == [0, 0, 1, 2, 1, 0] and set(codes[2].tolist()) == {3}
+
+
+def test_a_compressor_with_word_levels_plots_without_changes(monkeypatch, tmp_path):
+    from accordion.compress import base as compress_base
+    from test_harness_strategies import _Fake
+
+    monkeypatch.setitem(compress_base._REGISTRY, "fake", _Fake)
+    words = ["light", "light", "medium", "heavy", "heavy", "light"]
+    per_epoch = [dict.fromkeys(LAYERS, w) for w in words]
+    results = _ladder_results("accordion:fake:light,medium,heavy", ("light", "heavy"), per_epoch)
+    results["runs"].append(_run("static:fake:heavy", 0))
+    results["runs"].append(_run("static:fake:light", 0))
+    written = plots.plot_all(results, tmp_path)
+    assert [p.name for p in written] == [
+        "accuracy.png", "data_sent.png", "levels.png", "norm_ratios.png",
+    ]  # fmt: skip
+    for path in written:
+        _assert_png(path)
+    light, heavy = (plots.strategy_style(f"static:fake:{w}") for w in ("light", "heavy"))
+    assert light["color"] != heavy["color"] and light["linestyle"] == "--"

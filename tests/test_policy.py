@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -168,5 +167,3 @@ def test_a_state_on_a_ladder_reports_its_levels_and_rungs():
     state = AccordionState(_mlp(), "topk", levels=(0.9, 0.5, 0.1), interval=1)
     assert set(state.levels().values()) == {0.9}
     assert (state.mild, state.aggressive, state.stats()["ladder"]) == (0.9, 0.1, [0.9, 0.5, 0.1])
-
-

@@ -11,16 +11,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .compress import PowerSGD, TopK
+from .compress import compressor_class, compressor_names
 from .costmodel import parse_bandwidth, parse_latency
 
-COMPRESSORS = ("powersgd", "topk")
+
+def plan_compressors() -> tuple[str, ...]:
+    """The compressors ``accordion plan --compressor`` takes: every registered one but dense
+    (which the plan always shows)."""
+    return tuple(name for name in compressor_names() if name != "dense")
+
+
+#: The compressor ``accordion plan`` weighs by default (the paper's).
+PLAN_COMPRESSOR = "powersgd"
 
 PLAN_JSON_KEYS = """\
 --json prints one object: model, num_classes, parameters, tensors, compressed_tensors,
 workers, steps, compressor, bandwidth_bytes_per_s, latency_s, and "levels": a list with
 one entry for dense and one per level, each with
-  label                 "dense", "rank R" or "top-k K"
+  label                 "dense", or the compressor's name of the level: "rank R", "top-k K"
   compressor, level     the compressor kind and its level (null for dense)
   floats_per_step       floats one worker sends per step, paper convention
   floats_total          floats_per_step * steps
@@ -36,31 +44,30 @@ With --layers, also "layers": one entry per parameter tensor, each with
 
 
 def parse_levels(text: str, compressor: str) -> list[Any]:
-    """Parse ``--levels`` ("2,1" ranks for PowerSGD, "0.99,0.1" fractions for top-k)."""
-    if compressor not in COMPRESSORS:
-        raise ValueError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+    """Parse ``--levels``: comma-separated levels as ``compressor`` reads them ("2,1" ranks
+    for PowerSGD, "0.99,0.1" fractions for top-k); ``ValueError`` for anything else."""
+    if compressor not in plan_compressors():
+        raise ValueError(f"compressor must be one of {plan_compressors()}, got {compressor!r}")
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item for item in items):
         raise ValueError(f"levels must be a comma-separated list such as '2,1', got {text!r}")
+    cls = compressor_class(compressor)
     levels: list[Any] = []
     for item in items:
-        if compressor == "powersgd":
-            try:
-                value: Any = int(item)
-            except ValueError:
-                raise ValueError(
-                    f"levels for powersgd must be integer ranks >= 1, got {item!r} in {text!r}"
-                ) from None
-            levels.append(PowerSGD.check_level(value))
-        else:
-            try:
-                value = float(item)
-            except ValueError:
-                raise ValueError(
-                    f"levels for topk must be fractions in (0, 1], got {item!r} in {text!r}"
-                ) from None
-            levels.append(TopK.check_level(value))
+        try:
+            levels.append(cls.parse_level(item))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"levels for {compressor} must each be {cls.level_help}, got {item!r} in "
+                f"{text!r} ({exc})"
+            ) from None
     return levels
+
+
+def default_levels_text(compressor: str) -> str:
+    """The ``--levels`` of ``compressor`` when none are given: its default (mild, aggressive)."""
+    cls = compressor_class(compressor)
+    return ",".join(cls.level_text(level) for level in cls.default_levels)
 
 
 def _human(count: float) -> str:
@@ -76,20 +83,22 @@ def _bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _plan_command(args: argparse.Namespace) -> int:
-    from .models import MODEL_NAMES, get_model
-    from .plan import layer_plan, make_plan
+def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], float, float]:
+    """The checked ``plan`` arguments: (levels, bandwidth, latency); usage errors exit 2."""
+    from .models import MODEL_NAMES
 
     parser = args.parser
     if args.model not in MODEL_NAMES:
         parser.error(
             f"argument --model: must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}"
         )
-    if args.compressor not in COMPRESSORS:
+    if args.compressor not in plan_compressors():
         parser.error(
-            f"argument --compressor: must be one of {', '.join(COMPRESSORS)}, "
+            f"argument --compressor: must be one of {', '.join(plan_compressors())}, "
             f"got {args.compressor!r}"
         )
+    if args.levels is None:
+        args.levels = default_levels_text(args.compressor)
     try:
         levels = parse_levels(args.levels, args.compressor)
     except (TypeError, ValueError) as exc:
@@ -109,7 +118,14 @@ def _plan_command(args: argparse.Namespace) -> int:
         latency = parse_latency(args.latency)
     except ValueError as exc:
         parser.error(f"argument --latency: {exc}")
+    return levels, bandwidth, latency
 
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from .models import get_model
+    from .plan import layer_plan, make_plan
+
+    levels, bandwidth, latency = _plan_inputs(args)
     model = get_model(args.model, num_classes=args.num_classes)
     shapes = [tuple(p.shape) for p in model.parameters()]
     rows = make_plan(shapes, args.compressor, levels, args.workers, args.steps, bandwidth, latency)
@@ -117,31 +133,32 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.layers:
         named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         layer_rows = layer_plan(named, args.compressor, levels, args.workers, bandwidth)
-    parameters = sum(p.numel() for p in model.parameters())
-    compressed = sum(len(s) >= 2 for s in shapes)
+    summary = {
+        "model": args.model,
+        "num_classes": args.num_classes,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tensors": len(shapes),
+        "compressed_tensors": sum(compressor_class(args.compressor).applies_to(s) for s in shapes),
+        "workers": args.workers,
+        "steps": args.steps,
+        "compressor": args.compressor,
+        "bandwidth_bytes_per_s": bandwidth,
+        "latency_s": latency,
+    }
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "num_classes": args.num_classes,
-                    "parameters": parameters,
-                    "tensors": len(shapes),
-                    "compressed_tensors": compressed,
-                    "workers": args.workers,
-                    "steps": args.steps,
-                    "compressor": args.compressor,
-                    "bandwidth_bytes_per_s": bandwidth,
-                    "latency_s": latency,
-                    "levels": [row.as_dict() for row in rows],
-                    **({"layers": [r.as_dict() for r in layer_rows]} if args.layers else {}),
-                }
-            )
-        )
-        return 0
+        layers = {"layers": [r.as_dict() for r in layer_rows]} if args.layers else {}
+        print(json.dumps({**summary, "levels": [row.as_dict() for row in rows], **layers}))
+    else:
+        _print_plan(args, summary, rows, layer_rows)
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, summary: dict[str, Any], rows, layer_rows) -> None:
+    """The human form of the plan: a header, one row per level, then the tensors."""
     print(
-        f"accordion plan: {args.model}, {args.num_classes} classes, {parameters:,} parameters "
-        f"in {len(shapes)} tensors ({compressed} compressible), {args.workers} workers, "
+        f"accordion plan: {args.model}, {args.num_classes} classes, "
+        f"{summary['parameters']:,} parameters in {summary['tensors']} tensors "
+        f"({summary['compressed_tensors']} compressible), {args.workers} workers, "
         f"{args.steps:,} steps"
     )
     print(
@@ -176,7 +193,6 @@ def _plan_command(args: argparse.Namespace) -> int:
                 for r in layer_rows
             ],
         )
-    return 0
 
 
 def _print_table(header: Sequence[str], table: Sequence[Sequence[str]]) -> None:
@@ -189,55 +205,67 @@ def _print_table(header: Sequence[str], table: Sequence[Sequence[str]]) -> None:
         print("  ".join(padded))
 
 
+def _train_defaults() -> dict[str, str]:
+    """``TrainConfig``'s field defaults as the flags read them (``30,45``, ``0.1``): the one
+    place the defaults of ``train`` and ``compare`` are written."""
+    from .harness.train import TrainConfig
+
+    shown = {}
+    for f in dataclasses.fields(TrainConfig):
+        value = f.default
+        if isinstance(value, tuple):
+            shown[f.name] = ",".join(str(v) for v in value)
+        else:
+            shown[f.name] = f"{value:g}" if isinstance(value, float) else str(value)
+    return shown
+
+
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``train`` and ``compare``; None means "from the preset or default"."""
-    add = parser.add_argument
-    add("--preset", default=None, help="a named configuration of the paper's runs (GPU scale)")
-    add("--task", default=None, help="mnist1d (default), cifar10, cifar100, wikitext2, synthetic")
-    add("--data-dir", default=None, help="directory of the CIFAR / WikiText-2 files")
-    add("--model", default=None, help="model name (default: the task's)")
-    add("--epochs", type=int, default=None, help="epochs (default 60)")
-    add("--batch-size", type=int, default=None, help="global batch over all workers (default 128)")
-    add("--lr", type=float, default=None, help="peak learning rate (default 0.1)")
-    add("--warmup-epochs", type=float, default=None, help="linear warm-up epochs (default 2)")
-    add("--warmup-start-lr", type=float, default=None, help="warm-up start (default lr/10)")
-    add("--decay-epochs", default=None, help="comma-separated epochs of lr decays (default 30,45)")
-    add("--decay-factor", type=float, default=None, help="lr factor at each decay (default 0.1)")
-    add("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
-    add("--weight-decay", type=float, default=None, help="weight decay (default 1e-4)")
-    add("--interval", type=int, default=None, help="Accordion check interval, epochs (default 10)")
-    add("--eta", type=float, default=None, help="Accordion threshold (default 0.5)")
-    add("--statistic", default=None, help="rank0 (default, the paper) or mean")
-    add("--on-rank-change", default=None, help="PowerSGD Q at a switch: reuse or redraw")
-    add("--seed", type=int, default=None, help="seed (default 0)")
-    add("--train-samples", type=int, default=None, help="training samples used (task default)")
-    add("--test-samples", type=int, default=None, help="test samples used (task default)")
-    add("--synthetic-shape", default=None, help="one synthetic sample's shape, e.g. 3,32,32 or 40")
-    add(
-        "--batch-switch-epoch",
-        type=int,
-        default=None,
-        help="batch-fixed strategies: first epoch at the large batch (default 20)",
+    from .harness.data import TASKS
+    from .harness.train import LR_SCALINGS
+
+    d = _train_defaults()
+    tasks = ", ".join(f"{task} (default)" if task == d["task"] else task for task in TASKS)
+    scalings = " or ".join(LR_SCALINGS)
+    for flag, kind, text in (
+        ("--preset", None, "a named configuration of the paper's runs (GPU scale)"),
+        ("--task", None, tasks),
+        ("--data-dir", None, "directory of the CIFAR / WikiText-2 files"),
+        ("--model", None, "model name (default: the task's)"),
+        ("--epochs", int, f"epochs (default {d['epochs']})"),
+        ("--batch-size", int, f"global batch over all workers (default {d['batch_size']})"),
+        ("--lr", float, f"peak learning rate (default {d['lr']})"),
+        ("--warmup-epochs", float, f"linear warm-up epochs (default {d['warmup_epochs']})"),
+        ("--warmup-start-lr", float, "warm-up start (default lr/10)"),
+        ("--decay-epochs", None, "comma-separated epochs of lr decays "
+         f"(default {d['decay_epochs']})"),
+        ("--decay-factor", float, f"lr factor at each decay (default {d['decay_factor']})"),
+        ("--momentum", float, f"SGD momentum (default {d['momentum']})"),
+        ("--weight-decay", float, f"weight decay (default {d['weight_decay']})"),
+        ("--interval", int, f"Accordion check interval, epochs (default {d['interval']})"),
+        ("--eta", float, f"Accordion threshold (default {d['eta']})"),
+        ("--statistic", None, f"rank0 (the paper) or mean (default {d['statistic']})"),
+        ("--on-rank-change", None, "PowerSGD Q at a switch: reuse or redraw (default: the hook's)"),
+        ("--seed", int, f"seed (default {d['seed']})"),
+        ("--train-samples", int, "training samples used (task default)"),
+        ("--test-samples", int, "test samples used (task default)"),
+        ("--synthetic-shape", None, "one synthetic sample's shape, e.g. 3,32,32 or 40"),
+        ("--batch-switch-epoch", int, "batch-fixed strategies: first epoch at the large batch "
+         f"(default {d['batch_switch_epoch']})"),
+        ("--lr-scaling", None, f"learning rate vs batch size: {scalings} (default "
+         f"{d['lr_scaling']}); --lr is the rate at --batch-size"),
+        ("--batch-warmup-steps", int, "warm-up steps after a switch to a larger batch "
+         f"(default {d['batch_warmup_steps']})"),
+        ("--bptt", int, f"LSTM truncated-BPTT length (default {d['bptt']})"),
+        ("--clip", float, "gradient-norm clipping (LSTM preset: 0.4)"),
+        ("--threads", int, "torch threads per worker (default cores/workers)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="local worker processes (ignored under torchrun)"
     )
-    add(
-        "--lr-scaling",
-        default=None,
-        help="learning rate vs batch size: linear (default) or sqrt; --lr is the rate at "
-        "--batch-size",
-    )
-    add(
-        "--batch-warmup-steps",
-        type=int,
-        default=None,
-        help="warm-up steps after a switch to a larger batch (default 5)",
-    )
-    add("--bptt", type=int, default=None, help="LSTM truncated-BPTT length (default 30)")
-    add("--clip", type=float, default=None, help="gradient-norm clipping (LSTM preset: 0.4)")
-    add(
-        "--threads", type=int, default=None, help="torch threads per worker (default cores/workers)"
-    )
-    add("--workers", type=int, default=1, help="local worker processes (ignored under torchrun)")
-    add("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -270,7 +298,7 @@ def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
     config = TrainConfig(**values)
     try:
         config.validate()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     from .harness.data import TASKS
 
@@ -294,7 +322,7 @@ def _train_command(args: argparse.Namespace) -> int:
     config.strategy = args.strategy
     try:
         config.validate()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         args.parser.error(f"argument --strategy: {exc}")
     config.out = args.out
     from .harness.launch import in_torchrun
@@ -338,22 +366,11 @@ def _compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_command(args: argparse.Namespace) -> int:
-    from .harness.cluster import (
-        ClusterError,
-        ClusterRunError,
-        EmulatedCluster,
-        remove_leftovers,
-    )
+def _cluster_inputs(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The checked ``cluster`` arguments: (an unstarted cluster, the accordion command)."""
+    from .cluster import EmulatedCluster
 
     parser = args.parser
-    if args.cleanup:
-        try:
-            removed = remove_leftovers()
-        except ClusterError as exc:
-            parser.error(str(exc))
-        print(f"removed {len(removed)} namespace(s)" + "".join(f" {n}" for n in removed))
-        return 0
     command = list(args.accordion_args)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -381,6 +398,34 @@ def _cluster_command(args: argparse.Namespace) -> int:
     ):
         # every host defaults to all the cores: share them instead
         command += ["--threads", str(max(1, (os.cpu_count() or 1) // args.hosts))]
+    return cluster, command
+
+
+def _print_probe(cluster: Any, args: argparse.Namespace) -> None:
+    """Measure the cluster's all-reduce bandwidth and print it against the link rate."""
+    probe = cluster.measure_bandwidth(timeout=args.timeout)
+    measured = probe["bus_bandwidth_bytes_per_s"]
+    print(
+        f"all-reduce bus bandwidth {measured * 8 / 1e6:,.1f} Mbit/s on "
+        f"{args.hosts} hosts ({measured / cluster.bandwidth:.0%} of the "
+        f"{cluster.bandwidth * 8 / 1e6:,.1f} Mbit/s links), "
+        f"{probe['bytes'] / 1e6:g} MB in {probe['seconds']:.3f} s",
+        flush=True,
+    )
+
+
+def _cluster_command(args: argparse.Namespace) -> int:
+    from .cluster import ClusterError, ClusterRunError, remove_leftovers
+
+    parser = args.parser
+    if args.cleanup:
+        try:
+            removed = remove_leftovers()
+        except ClusterError as exc:
+            parser.error(str(exc))
+        print(f"removed {len(removed)} namespace(s)" + "".join(f" {n}" for n in removed))
+        return 0
+    cluster, command = _cluster_inputs(args)
     try:
         # start() undoes what it built when it fails; close() below on every other exit
         cluster.start()
@@ -389,15 +434,7 @@ def _cluster_command(args: argparse.Namespace) -> int:
     echoed = False
     try:
         if args.probe:
-            probe = cluster.measure_bandwidth(timeout=args.timeout)
-            measured = probe["bus_bandwidth_bytes_per_s"]
-            print(
-                f"all-reduce bus bandwidth {measured * 8 / 1e6:,.1f} Mbit/s on "
-                f"{args.hosts} hosts ({measured / cluster.bandwidth:.0%} of the "
-                f"{cluster.bandwidth * 8 / 1e6:,.1f} Mbit/s links), "
-                f"{probe['bytes'] / 1e6:g} MB in {probe['seconds']:.3f} s",
-                flush=True,
-            )
+            _print_probe(cluster, args)
         if not command:
             return 0
         echoed = True
@@ -425,12 +462,8 @@ def _cluster_command(args: argparse.Namespace) -> int:
     return (code if code >= 0 else 128 - code) or (1 if result.failed_host is not None else 0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``accordion`` command."""
-    parser = argparse.ArgumentParser(
-        prog="accordion", description="Adaptive gradient compression for PyTorch DDP."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_plan(sub: Any) -> None:
+    """The ``plan`` subcommand; the compressors and their default levels from the registry."""
     plan = sub.add_parser(
         "plan",
         help="predict what each compression level sends for a model",
@@ -438,36 +471,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=PLAN_JSON_KEYS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--model", default="resnet18", help="model name (default resnet18)")
-    plan.add_argument("--num-classes", type=int, default=10, help="classes (default 10)")
-    plan.add_argument("--workers", type=int, default=4, help="data-parallel workers (default 4)")
-    plan.add_argument("--steps", type=int, default=29400, help="optimizer steps (default 29400)")
-    plan.add_argument(
-        "--compressor", default="powersgd", help="powersgd or topk (default powersgd)"
-    )
-    plan.add_argument(
+    add = plan.add_argument
+    add("--model", default="resnet18", help="model name (default %(default)s)")
+    add("--num-classes", type=int, default=10, help="classes (default %(default)s)")
+    add("--workers", type=int, default=4, help="data-parallel workers (default %(default)s)")
+    add("--steps", type=int, default=29400, help="optimizer steps (default %(default)s)")
+    names = plan_compressors()
+    add("--compressor", default=PLAN_COMPRESSOR, help=f"{', '.join(names)} (default %(default)s)")
+    defaults = ", ".join(f"{name} '{default_levels_text(name)}'" for name in names)
+    add(
         "--levels",
         default=None,
-        help="comma-separated levels: PowerSGD ranks (default '2,1') or top-k fractions "
-        "(default '0.99,0.1')",
+        help="comma-separated levels, mildest first, as the compressor reads them (PowerSGD "
+        f"ranks, top-k fractions, ...); default the compressor's own: {defaults}",
     )
-    plan.add_argument("--bandwidth", default="10Gbit", help="link rate (default 10Gbit)")
-    plan.add_argument("--latency", default="50us", help="per-message latency (default 50us)")
-    plan.add_argument("--json", action="store_true", help="print one JSON object (keys below)")
-    plan.add_argument(
-        "--layers", action="store_true", help="also per tensor: bytes and transfer time per step"
-    )
+    add("--bandwidth", default="10Gbit", help="link rate (default %(default)s)")
+    add("--latency", default="50us", help="per-message latency (default %(default)s)")
+    add("--json", action="store_true", help="print one JSON object (keys below)")
+    add("--layers", action="store_true", help="also per tensor: bytes and transfer time per step")
     plan.set_defaults(handler=_plan_command, parser=plan)
 
+
+def _add_train_and_compare(sub: Any) -> None:
+    """The ``train`` and ``compare`` subcommands: the run settings, then their own flags."""
+    from .harness.strategies import FORMATS, strategy_compressors
+
+    forms = f"{', '.join(FORMATS)}; COMPRESSOR one of {', '.join(strategy_compressors())}"
     train = sub.add_parser(
         "train",
         help="train one strategy (local workers or under torchrun)",
-        description="Distributed training through the Accordion hook. Strategies: "
-        "dense, static:powersgd:R, static:topk:K, accordion:powersgd:MILD,AGGRESSIVE, "
-        "accordion:topk:MILD,AGGRESSIVE, torch-powersgd:R.",
+        description=f"Distributed training through the Accordion hook. Strategies: {forms}.",
     )
     _config_arguments(train)
-    train.add_argument("--strategy", default="accordion:powersgd:4,1", help="see above")
+    train.add_argument("--strategy", default=_train_defaults()["strategy"], help="see above")
     train.add_argument("--out", default=None, help="directory for metrics.jsonl / metrics.csv")
     train.set_defaults(handler=_train_command, parser=train)
 
@@ -475,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="run several strategies with the same seeds and print the paper's table",
         description="Runs every strategy with seeds 0..N-1, prints the table, writes "
-        "results.json and PNG plots to --out.",
+        f"results.json and PNG plots to --out. Strategies: {forms}.",
     )
     _config_arguments(compare)
     compare.add_argument("--strategies", nargs="+", required=True, help="space-separated")
@@ -484,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     compare.set_defaults(handler=_compare_command, parser=compare)
 
+
+def _add_cluster(sub: Any) -> None:
+    """The ``cluster`` subcommand: an accordion command on emulated hosts."""
     cluster = sub.add_parser(
         "cluster",
         help="run an accordion command on an emulated multi-host cluster (root, Linux)",
@@ -495,30 +534,29 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: accordion cluster --hosts 2 --bandwidth 100mbit --probe -- train "
         "--task mnist1d --epochs 2 --strategy dense",
     )
-    cluster.add_argument("--hosts", type=int, default=2, help="emulated hosts (default 2)")
-    cluster.add_argument("--bandwidth", default=None, help="each host's link rate, e.g. 100mbit")
-    cluster.add_argument(
-        "--delay", default="0", help="one-way host-to-host latency, e.g. 1ms (default 0)"
-    )
-    cluster.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds before all hosts are killed (default: none)",
-    )
-    cluster.add_argument(
-        "--probe", action="store_true", help="first measure and print the all-reduce bandwidth"
-    )
-    cluster.add_argument("--log-dir", default=None, help="keep every host's stdout/stderr here")
-    cluster.add_argument(
-        "--cleanup",
-        action="store_true",
-        help="only remove the namespaces that crashed clusters left (acc-*)",
-    )
-    cluster.add_argument(
-        "accordion_args", nargs=argparse.REMAINDER, help="after --: the accordion command to run"
-    )
+    add = cluster.add_argument
+    add("--hosts", type=int, default=2, help="emulated hosts (default %(default)s)")
+    add("--bandwidth", default=None, help="each host's link rate, e.g. 100mbit")
+    add("--delay", default="0", help="one-way host-to-host latency, e.g. 1ms (default 0)")
+    add("--timeout", type=float, default=None, help="seconds before all hosts are killed "
+        "(default: none)")  # fmt: skip
+    add("--probe", action="store_true", help="first measure and print the all-reduce bandwidth")
+    add("--log-dir", default=None, help="keep every host's stdout/stderr here")
+    add("--cleanup", action="store_true",
+        help="only remove the namespaces that crashed clusters left (acc-*)")  # fmt: skip
+    add("accordion_args", nargs=argparse.REMAINDER, help="after --: the accordion command to run")
     cluster.set_defaults(handler=_cluster_command, parser=cluster)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``accordion`` command."""
+    parser = argparse.ArgumentParser(
+        prog="accordion", description="Adaptive gradient compression for PyTorch DDP."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_train_and_compare(sub)
+    _add_cluster(sub)
     return parser
 
 
@@ -526,8 +564,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``accordion`` command; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "plan" and args.levels is None:
-        args.levels = "2,1" if args.compressor == "powersgd" else "0.99,0.1"
     status = args.handler(args)
     if args.command in ("train", "compare") and "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun, gloo's threads sometimes abort the process while C++ static

@@ -1,11 +1,21 @@
-"""Writes tests/data/accordion-format1.pt with the code of commit 5847b17 (checkpoint format 1)."""
+"""Writes tests/data/accordion-format1.pt with the code of commit 5847b17 (checkpoint format 1).
+
+Run it against that code: ``git worktree add /tmp/old 5847b17`` then
+``PYTHONPATH=/tmp/old/src python tests/data/make_format1_fixture.py``.
+"""
+
+from pathlib import Path
+
 import torch
 from torch import nn
+
 from accordion.ddp import AccordionState
+
 
 def make_net(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
 
 def step(net, state, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -13,10 +23,13 @@ def step(net, state, seed):
     (net(torch.randn(5, 8, generator=gen))).pow(2).sum().backward()
     state.reduce_gradients()
 
+
 out = {}
 for unit in ("epoch", "step"):
     net = make_net()
-    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=2, eta=2.0, interval_unit=unit)
+    state = AccordionState(
+        net, "powersgd", mild=2, aggressive=1, interval=2, eta=2.0, interval_unit=unit
+    )
     end = state.end_epoch if unit == "epoch" else state.end_step
     for i in range(5):
         step(net, state, i)
@@ -28,8 +41,11 @@ for unit in ("epoch", "step"):
     out[unit] = {
         "checkpoint": saved,
         "weights": {k: v.clone() for k, v in net.state_dict().items()},
-        "after": {"levels": state.levels(), "stats": state.stats(),
-                  "memory": {k: state.reducer.memory.get(k).clone() for k in state.reducer.memory.keys()}},
+        "after": {
+            "levels": state.levels(),
+            "stats": state.stats(),
+            "memory": {k: state.reducer.memory.get(k).clone() for k in state.reducer.memory.keys()},
+        },
     }
-torch.save(out, "/work/main/tests/data/accordion-format1.pt")
+torch.save(out, Path(__file__).parent / "accordion-format1.pt")
 print({u: (o["after"]["levels"], o["checkpoint"]["format"]) for u, o in out.items()})

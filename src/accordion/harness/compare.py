@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..compress import compressor_class
 from .launch import run_distributed
 from .strategies import parse_strategy
 from .train import RunResult, TrainConfig, run_many
@@ -86,18 +87,20 @@ def _reference(strategy: str, rows: dict[str, dict[str, Any]]) -> str | None:
         return small if small in rows else None
     if parsed.family == "dense":
         return strategy
+    statics = [parse_strategy(s) for s in rows]
     candidates = [
-        (parse_strategy(s).mild, s)
-        for s in rows
-        if parse_strategy(s).family == "static"
-        and parse_strategy(s).batch_mode is None
-        and parse_strategy(s).compressor == parsed.compressor
-    ]
+        s for s in statics
+        if s.family == "static" and s.batch_mode is None and s.compressor == parsed.compressor
+    ]  # fmt: skip
     if parsed.family == "accordion":
-        exact = [s for level, s in candidates if level == parsed.mild]
+        exact = [s.text for s in candidates if s.mild == parsed.mild]
         if exact:
             return exact[0]
-    return max(candidates)[1] if candidates else None
+    if not candidates:
+        return None
+    # the mildest compresses least; among equals the last text in sort order, as before
+    aggressiveness = compressor_class(parsed.compressor).aggressiveness
+    return max(candidates, key=lambda s: (-aggressiveness(s.mild), s.text)).text
 
 
 def summary_table(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,11 +1,18 @@
 """Strategy strings of the harness: what averages the gradients in a run.
 
-``dense``                           plain DDP all-reduce (the baseline)
-``static:powersgd:R``               our hook, PowerSGD at rank R throughout
-``static:topk:K``                   our hook, top-k keeping the fraction K throughout
-``accordion:powersgd:MILD,AGG``     our hook, Accordion switching ranks MILD and AGG
-``accordion:topk:MILD,AGG``         our hook, Accordion switching fractions MILD and AGG
-``torch-powersgd:R``                PyTorch's own ``powerSGD_hook`` at rank R (outside baseline)
+``dense``                             plain DDP all-reduce (the baseline)
+``static:COMPRESSOR:LEVEL``           our hook, the compressor at one level throughout
+``accordion:COMPRESSOR:MILD,...,AGG`` our hook, Accordion switching along a ladder of
+                                      levels, from the mildest to the most aggressive
+``torch-powersgd:R``                  PyTorch's own ``powerSGD_hook`` at rank R (outside
+                                      baseline)
+
+``COMPRESSOR`` is any registered compressor but ``dense`` (see
+:func:`accordion.compress.compressor_names`), and a level is written as that compressor
+reads it (:meth:`~accordion.compress.Compressor.parse_level`): a PowerSGD rank
+(``static:powersgd:4``), a top-k fraction (``static:topk:0.1``), ... An Accordion ladder
+has two or more levels, each compressing at least as much as the one before
+(``accordion:powersgd:4,1``, ``accordion:powersgd:4,2,1``).
 
 A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:auto``)
 turns the cost model on: before training the hook measures the link and the cost of
@@ -27,14 +34,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..accounting import check_fraction, check_rank
+from ..compress import Compressor, compressor_class, compressor_names
+from ..policy import Ladder
 
 FORMATS = (
     "dense",
-    "static:powersgd:R",
-    "static:topk:K",
-    "accordion:powersgd:MILD,AGGRESSIVE",
-    "accordion:topk:MILD,AGGRESSIVE",
+    "static:COMPRESSOR:LEVEL",
+    "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
     "torch-powersgd:R",
     "static-batch:B",
@@ -43,6 +49,14 @@ FORMATS = (
     "<batch strategy>+<compression strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
+#: The compressor of PyTorch's own hook, the ``torch-powersgd:R`` baseline.
+TORCH_POWERSGD = "powersgd"
+
+
+def strategy_compressors() -> tuple[str, ...]:
+    """The compressors a static or Accordion strategy may name: every registered one but
+    ``dense`` (which is its own strategy)."""
+    return tuple(name for name in compressor_names() if name != "dense")
 
 
 @dataclass(frozen=True)
@@ -50,19 +64,29 @@ class Strategy:
     """A parsed strategy string.
 
     ``family`` is "dense", "static", "accordion" or "torch-powersgd"; ``compressor`` is
-    "dense", "powersgd" or "topk"; ``mild``/``aggressive`` are the levels (equal for
-    static strategies, ``None`` for dense).
+    "dense" or a registered compressor's name; ``levels`` is the ladder, mildest first
+    (one level for static strategies and PyTorch's hook, none for dense). ``mild`` and
+    ``aggressive`` are its first and last levels (``None`` for dense).
     """
 
     text: str
     family: str
     compressor: str
-    mild: Any = None
-    aggressive: Any = None
+    levels: tuple[Any, ...] = ()
     batch_mode: str | None = None  # None, "static", "adaptive" or "fixed"
     batch_small: int | None = None  # global batch sizes
     batch_large: int | None = None
     auto: bool = False  # the cost model sends dense what compression cannot pay for
+
+    @property
+    def mild(self) -> Any:
+        """The mildest level (the first rung), ``None`` for dense."""
+        return self.levels[0] if self.levels else None
+
+    @property
+    def aggressive(self) -> Any:
+        """The most aggressive level (the last rung), ``None`` for dense."""
+        return self.levels[-1] if self.levels else None
 
     @property
     def uses_accordion_hook(self) -> bool:
@@ -70,14 +94,26 @@ class Strategy:
         return self.family in ("static", "accordion")
 
 
-def _level(compressor: str, text: str, whole: str) -> Any:
+def _level(cls: type[Compressor], text: str, whole: str) -> Any:
     try:
-        if compressor == "powersgd":
-            return check_rank(int(text))
-        return check_fraction(float(text))
+        return cls.parse_level(text)
     except (TypeError, ValueError) as exc:
-        allowed = "an integer rank >= 1" if compressor == "powersgd" else "a fraction in (0, 1]"
-        raise ValueError(f"strategy {whole!r}: level {text!r} must be {allowed} ({exc})") from None
+        raise ValueError(
+            f"strategy {whole!r}: level {text!r} must be {cls.level_help} ({exc})"
+        ) from None
+
+
+def _ladder(cls: type[Compressor], items: list[str], whole: str) -> tuple[Any, ...]:
+    """The levels of ``items``, checked to run from the mildest to the most aggressive
+    (equal rungs allowed) by the library's own :class:`~accordion.policy.Ladder`."""
+    levels = tuple(_level(cls, item, whole) for item in items)
+    try:
+        return Ladder(cls, levels).levels
+    except ValueError as exc:
+        raise ValueError(
+            f"strategy {whole!r}: the levels {','.join(items)} (MILD,...,AGGRESSIVE, each "
+            f"{cls.level_help}): {exc}"
+        ) from None
 
 
 def _batch_size(text: str, whole: str) -> int:
@@ -129,36 +165,37 @@ def parse_strategy(text: str) -> Strategy:
     return _parse_communication(text, text)
 
 
+def _malformed(whole: str) -> ValueError:
+    return ValueError(
+        f"strategy must have one of the forms {', '.join(FORMATS)}, with COMPRESSOR one of "
+        f"{', '.join(strategy_compressors())}; got {whole!r}"
+    )
+
+
 def _parse_communication(text: str, whole: str) -> Strategy:
     parts = text.strip().split(":")
-    bad = ValueError(f"strategy must have one of the forms {', '.join(FORMATS)}; got {whole!r}")
     if parts == ["dense"]:
         return Strategy(text, "dense", "dense")
     if len(parts) == 2 and parts[0] == "torch-powersgd":
-        rank = _level("powersgd", parts[1], text)
-        return Strategy(text, "torch-powersgd", "powersgd", rank, rank)
+        rank = _level(compressor_class(TORCH_POWERSGD), parts[1], text)
+        return Strategy(text, "torch-powersgd", TORCH_POWERSGD, (rank,))
     auto = len(parts) == 4 and parts[3] == "auto"
     if auto:
         parts = parts[:3]
     if len(parts) != 3 or parts[0] not in ("static", "accordion"):
-        raise bad
+        raise _malformed(whole)
     family, compressor, levels = parts
-    if compressor not in ("powersgd", "topk"):
+    if compressor not in strategy_compressors():
         raise ValueError(
-            f"strategy {text!r}: compressor must be 'powersgd' or 'topk', got {compressor!r}"
+            f"strategy {text!r}: compressor must be one of {', '.join(strategy_compressors())}"
+            f", got {compressor!r}"
         )
-    if family == "static":
-        if "," in levels:
-            raise bad
-        level = _level(compressor, levels, text)
-        return Strategy(text, "static", compressor, level, level, auto=auto)
+    cls = compressor_class(compressor)
     items = levels.split(",")
-    if len(items) != 2:
-        raise bad
-    mild, aggressive = (_level(compressor, item, text) for item in items)
-    if aggressive > mild:
-        raise ValueError(
-            f"strategy {text!r}: the aggressive level ({aggressive}) must compress at least as "
-            f"much as the mild one ({mild}): MILD,AGGRESSIVE with AGGRESSIVE <= MILD"
-        )
-    return Strategy(text, "accordion", compressor, mild, aggressive, auto=auto)
+    if family == "static":
+        if len(items) != 1:
+            raise _malformed(whole)
+        return Strategy(text, "static", compressor, (_level(cls, items[0], text),), auto=auto)
+    if len(items) < 2:
+        raise _malformed(whole)
+    return Strategy(text, "accordion", compressor, _ladder(cls, items, text), auto=auto)

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..accounting import is_compressible, matrix_shape, paper_floats, powersgd_rank, wire_bytes
+from .._validate import check_choice, check_int, check_number
+from ..accounting import paper_floats, wire_bytes
 from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
-from ..compress import PowerSGD
+from ..compress import PowerSGD, compressor_class
+from ..compress.powersgd import matrix_shape, powersgd_rank
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
 from .data import (
@@ -36,11 +38,13 @@ from .data import (
     language_batches,
     load_task,
 )
-from .strategies import Strategy, parse_strategy
+from .strategies import TORCH_POWERSGD, Strategy, parse_strategy
 
 #: PyTorch's powerSGD_hook settings used for the ``torch-powersgd:R`` baseline.
 TORCH_POWERSGD_START_ITER = 2  # the smallest DDP allows with error feedback
 TORCH_POWERSGD_MIN_COMPRESSION_RATE = 2.0  # PyTorch's default
+#: How the learning rate follows the batch size (``TrainConfig.lr_scaling``).
+LR_SCALINGS = ("linear", "sqrt")
 
 
 @dataclass
@@ -83,36 +87,23 @@ class TrainConfig:
     out: str | None = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting."""
+        """Raise ``TypeError`` (a setting of the wrong type) or ``ValueError`` naming the
+        first bad setting."""
         parse_strategy(self.strategy)
-        positive_ints = ("epochs", "batch_size", "interval", "bptt")
-        for name in positive_ints:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("epochs", "batch_size", "interval", "bptt"):
+            check_int(name, getattr(self, name), 1)
         for name in ("lr", "eta", "decay_factor"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            check_number(name, getattr(self, name), minimum=0, strict=True)
         for name in ("momentum", "weight_decay", "warmup_epochs"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if any(not isinstance(e, int) or e < 0 for e in self.decay_epochs):
-            raise ValueError(f"decay_epochs must be ints >= 0, got {self.decay_epochs!r}")
-        if self.on_rank_change not in (None, *PowerSGD.RANK_CHANGE_POLICIES):
-            raise ValueError(
-                f"on_rank_change must be one of {PowerSGD.RANK_CHANGE_POLICIES} or None, "
-                f"got {self.on_rank_change!r}"
-            )
-        if self.lr_scaling not in ("linear", "sqrt"):
-            raise ValueError(f"lr_scaling must be 'linear' or 'sqrt', got {self.lr_scaling!r}")
+            check_number(name, getattr(self, name), minimum=0)
+        for i, epoch in enumerate(self.decay_epochs):
+            check_int(f"decay_epochs[{i}]", epoch, 0)
+        check_choice("on_rank_change", self.on_rank_change, (None, *PowerSGD.RANK_CHANGE_POLICIES))
+        check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         for name in ("batch_switch_epoch", "batch_warmup_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"clip must be a positive number or None, got {self.clip!r}")
+            check_int(name, getattr(self, name), 0)
+        if self.clip is not None:
+            check_number("clip", self.clip, minimum=0, strict=True)
 
     def batch_lr_scale(self, batch: int) -> float:
         """Learning-rate multiplier for a global batch ``batch``: ``lr`` is the rate at
@@ -204,6 +195,7 @@ class _Traffic:
         self.bytes = 0.0
 
     def step(self) -> None:
+        """Count one optimizer step's communication (the Accordion state counts its own)."""
         self.steps += 1
         if self.state is not None:
             return  # the Accordion state keeps its own ledger
@@ -217,12 +209,12 @@ class _Traffic:
 
     def _torch_kind(self, shape) -> tuple[str, Any]:
         # PyTorch's hook only compresses matrices whose compression rate beats its minimum
-        if not is_compressible(shape):
+        if not compressor_class(TORCH_POWERSGD).applies_to(shape):
             return "dense", None
         n, m = matrix_shape(shape)
         r = powersgd_rank(shape, self.strategy.mild)
         if n * m > (n + m) * r * TORCH_POWERSGD_MIN_COMPRESSION_RATE:
-            return "powersgd", r
+            return TORCH_POWERSGD, r
         return "dense", None
 
     def totals(self) -> tuple[int, float]:
@@ -233,12 +225,16 @@ class _Traffic:
 
 
 def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, ddp: DDP):
+    """Register the strategy's hook on ``ddp``; return its ``AccordionState`` (or ``None``)."""
     if strategy.uses_accordion_hook:
+        if strategy.family == "accordion":
+            ladder: dict[str, Any] = {"levels": strategy.levels}
+        else:  # static: one level, mild == aggressive
+            ladder = {"mild": strategy.mild, "aggressive": strategy.aggressive}
         state = AccordionState(
             model,
             compressor=strategy.compressor,
-            mild=strategy.mild,
-            aggressive=strategy.aggressive,
+            **ladder,
             interval=config.interval,
             eta=config.eta,
             statistic=config.statistic,
@@ -397,18 +393,27 @@ class _Logger:
         (self.dir / "checks.json").write_text(json.dumps(checks, indent=1) + "\n")
 
 
-def train_run(
-    config: TrainConfig,
-    rank: int,
-    world: int,
-    local_rank: int = 0,
-    on_epoch: Callable[[dict[str, Any]], None] | None = None,
-) -> RunResult:
-    """Train one run on this rank (a process group must be initialised when world > 1).
+@dataclass
+class _Run:
+    """What one run trains with on this rank, built by :func:`_set_up`."""
 
-    Returns the per-epoch records (identical on every rank, except for timing).
-    """
-    config.validate()
+    config: TrainConfig
+    strategy: Strategy
+    rank: int
+    world: int
+    device: torch.device
+    data: ClassificationData | LanguageData
+    controller: BatchSizeController | None
+    model: nn.Module
+    ddp: DDP
+    state: AccordionState | None
+    traffic: _Traffic
+    optimizer: torch.optim.Optimizer
+    logger: _Logger
+
+
+def _set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> _Run:
+    """Data, model, DDP, the strategy's hook, optimiser and logs of a validated config."""
     strategy = parse_strategy(config.strategy)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -438,61 +443,86 @@ def train_run(
         weight_decay=config.weight_decay,
     )  # fmt: skip
     logger = _Logger(config.out if rank == 0 else None, config)
-    result = RunResult(config.strategy, config.seed, mild=strategy.mild,
-                       aggressive=strategy.aggressive)  # fmt: skip
+    return _Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
+                traffic, optimizer, logger)  # fmt: skip
+
+
+def _epoch(run: _Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
+    """Train and evaluate epoch ``epoch``; return its record and the training time so far."""
+    config, state, controller = run.config, run.state, run.controller
+    levels = state.levels() if state is not None else {}
+    batch = _global_batch(config, run.strategy, controller)
+    steps_per_epoch = max(1, _steps_per_epoch(run.data, config, run.world, batch))
+    if run.world > 1:
+        dist.barrier()  # time the same span of work on every rank
+    start = time.perf_counter()
+    loss_sum, batches = _train_epoch(
+        run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
+        run.device, run.traffic, batch, controller,
+    )  # fmt: skip
+    train_time += time.perf_counter() - start
+    next_lr = config.lr_at(epoch + 1)
+    if state is not None:
+        state.end_epoch(next_lr=next_lr)
+    if controller is not None:
+        last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
+        controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
+    metric = _evaluate(run.model, run.data, config, run.rank, run.world, run.device)
+    loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
+    if run.world > 1:
+        dist.all_reduce(loss)
+    floats, nbytes = run.traffic.totals()
+    record = {
+        "epoch": epoch,
+        "train_loss": loss[0].item() / max(loss[1].item(), 1.0),
+        "test_metric": metric,
+        "floats": floats,
+        "bytes": nbytes,
+        "train_time_s": train_time,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "batch_size": batch,
+        "levels": levels,
+    }
+    return record, train_time
+
+
+def train_run(
+    config: TrainConfig,
+    rank: int,
+    world: int,
+    local_rank: int = 0,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
+    """Train one run on this rank (a process group must be initialised when world > 1).
+
+    Returns the per-epoch records (identical on every rank, except for timing).
+    """
+    config.validate()
+    run = _set_up(config, rank, world, local_rank)
+    result = RunResult(config.strategy, config.seed, mild=run.strategy.mild,
+                       aggressive=run.strategy.aggressive)  # fmt: skip
     train_time = 0.0
     bar = _progress_bar(config) if rank == 0 else None
     for epoch in range(config.epochs):
-        levels = state.levels() if state is not None else {}
-        batch = _global_batch(config, strategy, controller)
-        steps_per_epoch = max(1, _steps_per_epoch(data, config, world, batch))
-        if world > 1:
-            dist.barrier()  # time the same span of work on every rank
-        start = time.perf_counter()
-        loss_sum, batches = _train_epoch(
-            ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device, traffic,
-            batch, controller,
-        )  # fmt: skip
-        train_time += time.perf_counter() - start
-        next_lr = config.lr_at(epoch + 1)
-        if state is not None:
-            state.end_epoch(next_lr=next_lr)
-        if controller is not None:
-            last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
-            controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
-        metric = _evaluate(model, data, config, rank, world, device)
-        loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(loss)
-        floats, nbytes = traffic.totals()
-        record = {
-            "epoch": epoch,
-            "train_loss": loss[0].item() / max(loss[1].item(), 1.0),
-            "test_metric": metric,
-            "floats": floats,
-            "bytes": nbytes,
-            "train_time_s": train_time,
-            "lr": optimizer.param_groups[0]["lr"],
-            "batch_size": batch,
-            "levels": levels,
-        }
+        record, train_time = _epoch(run, epoch, train_time)
         result.epochs.append(record)
-        logger.log(record)
+        run.logger.log(record)
         if on_epoch is not None:
             on_epoch(record)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(
-                loss=f"{record['train_loss']:.3f}", test=f"{metric:.2f}",
-                sent=f"{floats / 1e6:.1f}M floats",
+                loss=f"{record['train_loss']:.3f}", test=f"{record['test_metric']:.2f}",
+                sent=f"{record['floats'] / 1e6:.1f}M floats",
             )  # fmt: skip
     if bar is not None:
         bar.close()
+    state = run.state
     result.checks = state.stats()["checks"] if state is not None else []
     result.calibration = state.calibration if state is not None else None
-    if controller is not None:
-        result.batch_checks = controller.checks
-    logger.close(result.checks, result.calibration)
+    if run.controller is not None:
+        result.batch_checks = run.controller.checks
+    run.logger.close(result.checks, result.calibration)
     return result
 
 

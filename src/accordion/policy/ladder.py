@@ -33,13 +33,15 @@ class Ladder:
                 f"static compressor), got {tuple(levels)!r}"
             )
         checked = tuple(compressor.check_level(level) for level in levels)
-        order = [compressor.aggressiveness(level) for level in checked]
-        if any(later < earlier for earlier, later in zip(order, order[1:])):
-            raise ValueError(
-                "levels must go from the mildest to the most aggressive, each compressing at "
-                "least as much as the one before (with two, aggressive must compress at "
-                f"least as much as mild): got {compressor.name} levels {checked!r}"
-            )
+        for before, after in zip(checked, checked[1:]):
+            if compressor.aggressiveness(after) < compressor.aggressiveness(before):
+                raise ValueError(
+                    "levels must go from the mildest to the most aggressive, each compressing "
+                    "at least as much as the one before (with two, aggressive must compress "
+                    f"at least as much as mild): got {compressor.name} levels {checked!r}, "
+                    f"where {compressor.label(after)} compresses less than "
+                    f"{compressor.label(before)}"
+                )
         self.compressor = compressor
         self.levels = checked
 

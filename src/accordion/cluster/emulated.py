@@ -591,28 +591,13 @@ class EmulatedCluster:
         After ``timeout`` seconds every host's processes are killed and ``TimeoutError``
         is raised.
         """
-        if not self._created:
-            raise ClusterError(f"cluster {self.tag} is not started (use it as a context manager)")
-        if not isinstance(target, str) or not target:
-            raise TypeError(f"target must be a non-empty str, got {target!r}")
-        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
-            raise TypeError(f"args must be a sequence of str, got {args!r}")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
-        ):
-            raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        self._check_run(target, args, timeout)
         self._runs += 1
         # a fresh port and id per run: the previous run's sockets may linger in TIME_WAIT
         port = 29400 + self._runs % 1000
         run_id = f"{self.tag}-{self._runs}"
         environment = self.environment(env)
-        temporary = None
-        if log_dir is None:
-            temporary = tempfile.TemporaryDirectory(prefix="accordion-cluster-")
-            directory = Path(temporary.name)
-        else:
-            directory = Path(log_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory, temporary = _log_directory(log_dir)
         start = time.monotonic()
         procs: list[subprocess.Popen] = []
         try:
@@ -620,16 +605,7 @@ class EmulatedCluster:
                 command = self.torchrun_command(
                     host, target, args, module=module, port=port, run_id=run_id, python=python
                 )
-                with (
-                    open(directory / f"host{host}.out", "wb") as out,
-                    open(directory / f"host{host}.err", "wb") as err,
-                ):
-                    proc = subprocess.Popen(
-                        command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                        env=environment, start_new_session=True,
-                    )  # fmt: skip
-                procs.append(proc)
-                self._procs.append(proc)
+                procs.append(self._start_host(host, command, directory, environment))
             codes, first = self._wait(procs, directory, timeout, echo, start)
             result = ClusterRun(
                 returncodes=codes,
@@ -640,18 +616,52 @@ class EmulatedCluster:
                 failed_host=first,
             )
             if check and first is not None:
-                raise ClusterRunError(
-                    f"host {first} ({self.host_namespaces[first]}) of {target} exited with "
-                    f"status {codes[first]}, and the other hosts were stopped (exit statuses: "
-                    f"{codes}); the end of its stderr:\n"
-                    + _failure_excerpt(_read(directory / f"host{first}.err")),
-                    result,
-                )
+                raise ClusterRunError(self._failure(target, result, directory), result)
             return result
         finally:
             self._stop(procs)
             if temporary:
                 temporary.cleanup()
+
+    def _failure(self, target: str, result: ClusterRun, directory: Path) -> str:
+        """The message of a run whose host ``result.failed_host`` failed first."""
+        first, codes = result.failed_host, result.returncodes
+        assert first is not None
+        return (
+            f"host {first} ({self.host_namespaces[first]}) of {target} exited with "
+            f"status {codes[first]}, and the other hosts were stopped (exit statuses: "
+            f"{codes}); the end of its stderr:\n"
+            + _failure_excerpt(_read(directory / f"host{first}.err"))
+        )
+
+    def _check_run(self, target: Any, args: Any, timeout: Any) -> None:
+        """Raise for a cluster not started or for bad arguments of :meth:`run`."""
+        if not self._created:
+            raise ClusterError(f"cluster {self.tag} is not started (use it as a context manager)")
+        if not isinstance(target, str) or not target:
+            raise TypeError(f"target must be a non-empty str, got {target!r}")
+        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+            raise TypeError(f"args must be a sequence of str, got {args!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+        ):
+            raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+
+    def _start_host(
+        self, host: int, command: list[str], directory: Path, environment: Mapping[str, str]
+    ) -> subprocess.Popen:
+        """Start host ``host``'s node with its output in ``directory``; :meth:`close`
+        kills it should the run not."""
+        with (
+            open(directory / f"host{host}.out", "wb") as out,
+            open(directory / f"host{host}.err", "wb") as err,
+        ):
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                env=environment, start_new_session=True,
+            )  # fmt: skip
+        self._procs.append(proc)
+        return proc
 
     def _wait(
         self, procs: list[subprocess.Popen], directory: Path, timeout: float | None,
@@ -705,11 +715,11 @@ class EmulatedCluster:
     def measure_bandwidth(
         self, mbytes: float = 4.0, repeats: int = 3, timeout: float | None = 120.0
     ) -> dict[str, Any]:
-        """Run :mod:`accordion.harness.netprobe` on every host and return its result:
+        """Run :mod:`accordion.cluster.netprobe` on every host and return its result:
         ``world_size``, ``bytes``, ``seconds`` (median all-reduce time) and
         ``bus_bandwidth_bytes_per_s`` (bytes/s, comparable with the link rate)."""
         result = self.run(
-            "accordion.harness.netprobe",
+            "accordion.cluster.netprobe",
             ["--mbytes", str(mbytes), "--repeats", str(repeats)],
             timeout=timeout,
         )
@@ -719,6 +729,21 @@ class EmulatedCluster:
         raise RuntimeError(
             f"the bandwidth probe printed no result; host 0's stdout:\n{_tail(result.stdout)}"
         )
+
+
+def _log_directory(
+    log_dir: str | os.PathLike[str] | None,
+) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    """The directory of a run's logs (created), and the temporary directory that holds it
+    when no ``log_dir`` is given (the caller cleans it up), else ``None``."""
+    temporary = None
+    if log_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="accordion-cluster-")
+        directory = Path(temporary.name)
+    else:
+        directory = Path(log_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory, temporary
 
 
 def _pump(echoes: list[tuple[Any, TextIO, Any]]) -> None:

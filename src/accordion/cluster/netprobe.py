@@ -1,6 +1,6 @@
 """All-reduce bandwidth probe, run under ``torchrun``.
 
-``python -m torch.distributed.run ... -m accordion.harness.netprobe --mbytes 4 --repeats 3``
+``python -m torch.distributed.run ... -m accordion.cluster.netprobe --mbytes 4 --repeats 3``
 times gloo all-reduces of a float32 tensor of ``--mbytes`` MB and prints, on rank 0, one
 JSON line::
 
@@ -35,7 +35,7 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m accordion.harness.netprobe",
+        prog="python -m accordion.cluster.netprobe",
         description="Time gloo all-reduces under torchrun; rank 0 prints one JSON line.",
     )
     parser.add_argument("--mbytes", type=float, default=4.0, help="tensor size, MB (1e6 bytes)")

@@ -1,0 +1,114 @@
+"""The line style of each strategy: one hue per family, lighter for more aggressive levels."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from matplotlib import colors as mcolors
+
+from ...compress import compressor_class
+from .common import parsed
+
+# Base colour of each strategy family; the level then lightens it (milder = darker), so
+# that a family reads as one hue and the static mild/aggressive pair as two shades of it.
+_FAMILY_COLOURS = {
+    "dense": "#000000",
+    "static:powersgd": "#1f77b4",
+    "accordion:powersgd": "#d62728",
+    "torch-powersgd": "#9467bd",
+    "static:topk": "#2ca02c",
+    "accordion:topk": "#ff7f0e",
+}
+# families we do not know get one of these, chosen by a stable hash of the family name
+_FALLBACK_COLOURS = ("#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
+_FAMILY_LINESTYLES = {"static": "--", "torch-powersgd": "-."}
+# batch-size strategies: (colour, line style) per kind
+_BATCH_STYLES = {
+    "static-batch": ("#7f7f7f", "--"),
+    "batch": ("#17becf", "-"),
+    "batch-fixed": ("#8c564b", "-."),
+}
+# The shade scale of the compressors with hues above, as a function of a (positive) level;
+# any other compressor's levels are shaded by their aggressiveness (see _ordered_shade).
+_SHADES: dict[str, Callable[[float], float]] = {
+    "powersgd": lambda rank: 0.45 - 0.15 * math.log2(rank),  # rank 8+ darkest, rank 1 lightest
+    "topk": lambda fraction: 0.2 * -math.log10(min(fraction, 1.0)),  # 99% darkest, 1% lightest
+}
+_MAX_SHADE = 0.5
+
+
+def _ordered_shade(compressor: str, level: Any) -> float:
+    """A level's shade from its aggressiveness: 0 at the compressor's default mild level,
+    0.4 at its default aggressive one; levels it does not order get a shade from a stable
+    hash of their text, so that two such levels still look apart."""
+    try:
+        cls = compressor_class(compressor)
+        mild, aggressive = (cls.aggressiveness(v) for v in cls.default_levels)
+        value = cls.aggressiveness(level)
+        text = cls.level_text(level)
+    except (TypeError, ValueError):
+        return 0.0
+    if aggressive > mild:
+        return 0.4 * (value - mild) / (aggressive - mild)
+    return 0.15 * (zlib.crc32(text.encode()) % 4)
+
+
+def _lightening(compressor: str, level: Any) -> float:
+    """How much of white to mix into a family colour: 0 for the mildest levels."""
+    if level is None:
+        return 0.0
+    shade = _SHADES.get(compressor)
+    if shade is None:
+        mix = _ordered_shade(compressor, level)
+    else:
+        value = float(level)
+        if not value > 0:
+            return 0.0
+        mix = shade(value)
+    return min(max(mix, 0.0), _MAX_SHADE)
+
+
+def _family_key(strategy: str) -> tuple[str, str, str, Any]:
+    """(family, colour key, compressor, first level) of a compression strategy; the key of
+    a string the harness cannot parse is its first two fields, and it has no level."""
+    strat = parsed(strategy)
+    if strat is None:
+        parts = strategy.split(":")
+        return parts[0], ":".join(parts[:2]) if len(parts) >= 3 else parts[0], "", None
+    family = strat.family
+    key = family if family in ("dense", "torch-powersgd") else f"{family}:{strat.compressor}"
+    return family, key, strat.compressor, strat.mild
+
+
+def strategy_style(strategy: str) -> dict[str, Any]:
+    """Line style of a strategy, a fixed function of its string: same in every plot.
+
+    Each family has one hue (dense black, static PowerSGD blue, Accordion PowerSGD red,
+    PyTorch's PowerSGD purple, static top-k green, Accordion top-k orange, another
+    compressor's families a hue of their own); more aggressive levels (the mildest rung of
+    an Accordion ladder) are lighter shades of it. Static strategies are dashed, PyTorch's
+    dash-dotted, Accordion and dense solid. Returns ``{"color", "linestyle", "linewidth"}``.
+    """
+    batch_kind, comm = strategy.partition(":")[0], strategy.partition("+")[2]
+    if batch_kind in _BATCH_STYLES:
+        colour, linestyle = _BATCH_STYLES[batch_kind]
+        # a batch strategy combined with compression: the same hue, dotted
+        return {"color": colour, "linestyle": ":" if comm else linestyle, "linewidth": 2.0}
+    family, key, compressor, level = _family_key(strategy)
+    base = _FAMILY_COLOURS.get(key)
+    if base is None:
+        base = _FALLBACK_COLOURS[zlib.crc32(key.encode()) % len(_FALLBACK_COLOURS)]
+    mix = _lightening(compressor, level)
+    if family == "accordion":  # the strategy under study: keep it close to full colour
+        mix /= 2.0
+    rgb = np.array(mcolors.to_rgb(base))
+    colour = mcolors.to_hex(rgb + (1.0 - rgb) * mix)
+    return {
+        "color": colour,
+        "linestyle": _FAMILY_LINESTYLES.get(family, "-"),
+        "linewidth": 2.0 if family == "accordion" else 1.5,
+    }

@@ -1,0 +1,274 @@
+"""The harness's strategy strings, run settings and traffic count, without training.
+
+The strategy parser asks the compressor registry for names, levels and their order, so a
+compressor registered for a test (``fake``, whose levels are words) must work as the
+built-in ones do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+from torch import nn
+
+from accordion.compress import Compressor, compressor_names
+from accordion.compress import base as compress_base
+from accordion.compress.wire import Message
+from accordion.harness import compare, train
+from accordion.harness.strategies import FORMATS, parse_strategy, strategy_compressors
+from accordion.harness.train import TrainConfig
+
+
+class _Fake(Compressor):
+    """A compressor whose levels are words: "light" < "medium" < "heavy" (for tests)."""
+
+    name = "fake"
+    default_levels = ("light", "heavy")
+    level_help = "'light', 'medium' or 'heavy'"
+    _ORDER = ("light", "medium", "heavy")
+
+    @classmethod
+    def check_level(cls, level: Any) -> str:
+        if level not in cls._ORDER:
+            raise ValueError(f"a fake level must be {cls.level_help}, got {level!r}")
+        return level
+
+    @classmethod
+    def aggressiveness(cls, level: Any) -> float:
+        return float(cls._ORDER.index(cls.check_level(level)))
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        return f"fake {level}"
+
+    @classmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        return math.prod(shape) // (1 + cls._ORDER.index(level))
+
+    @classmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        return [Message("allreduce", "fake", cls.paper_floats(shape, level, 1) * element_size)]
+
+    def exchange(self, keys, tensors, world_size, out=None):  # pragma: no cover - not run
+        raise NotImplementedError
+
+
+@pytest.fixture
+def fake(monkeypatch) -> type[Compressor]:
+    """``fake`` registered for one test only."""
+    monkeypatch.setitem(compress_base._REGISTRY, "fake", _Fake)
+    return _Fake
+
+
+# ------------------------------------------------------------------------------ strategies
+
+
+def test_static_dense_and_torch_strategies_have_one_level_or_none():
+    static = parse_strategy("static:powersgd:4")
+    assert (static.levels, static.mild, static.aggressive) == ((4,), 4, 4)
+    dense = parse_strategy("dense")
+    assert (dense.levels, dense.mild, dense.aggressive) == ((), None, None)
+    torch_hook = parse_strategy("torch-powersgd:2")
+    assert (torch_hook.family, torch_hook.compressor, torch_hook.levels) == (
+        "torch-powersgd",
+        "powersgd",
+        (2,),
+    )
+    topk = parse_strategy("static:topk:0.1:auto")
+    assert (topk.levels, topk.auto) == ((0.1,), True)
+
+
+@pytest.mark.parametrize(
+    ("text", "levels"),
+    [
+        ("accordion:powersgd:4,1", (4, 1)),
+        ("accordion:powersgd:4,2,1", (4, 2, 1)),
+        ("accordion:powersgd:8,4,4,1", (8, 4, 4, 1)),  # a rung may repeat the one before
+        ("accordion:topk:0.99,0.1,0.01", (0.99, 0.1, 0.01)),
+        ("accordion:powersgd:2,2", (2, 2)),
+    ],
+)
+def test_accordion_ladders_of_any_length_run_mildest_first(text, levels):
+    strategy = parse_strategy(text)
+    assert strategy.family == "accordion"
+    assert strategy.levels == levels
+    assert (strategy.mild, strategy.aggressive) == (levels[0], levels[-1])
+
+
+def test_a_ladder_combines_with_a_batch_strategy_and_the_cost_model():
+    strategy = parse_strategy("batch:64,512+accordion:powersgd:4,2,1:auto")
+    assert (strategy.batch_mode, strategy.levels, strategy.auto) == ("adaptive", (4, 2, 1), True)
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("accordion:powersgd:1,4", ["1,4", "rank 4 compresses less than rank 1", "integer rank"]),
+        ("accordion:powersgd:4,1,2", ["4,1,2", "rank 2 compresses less than rank 1"]),
+        ("accordion:topk:0.1,0.5", ["0.1,0.5", "top-k 0.5 compresses less than top-k 0.1"]),
+    ],
+)
+def test_a_ladder_out_of_order_names_the_strategy_the_levels_and_the_rule(text, named):
+    with pytest.raises(ValueError) as info:
+        parse_strategy(text)
+    message = str(info.value)
+    assert f"strategy {text!r}" in message
+    assert "MILD,...,AGGRESSIVE" in message and "at least as much" in message
+    for part in named:
+        assert part in message
+
+
+@pytest.mark.parametrize("text", ["static:qsgd:2", "accordion:randk:2,1", "static:dense:1"])
+def test_an_unknown_compressor_lists_the_registered_ones(text):
+    with pytest.raises(ValueError, match="compressor must be one of") as info:
+        parse_strategy(text)
+    for name in strategy_compressors():
+        assert name in str(info.value)
+    assert "dense" not in strategy_compressors()
+    assert set(strategy_compressors()) == set(compressor_names()) - {"dense"}
+
+
+@pytest.mark.parametrize("text", ["accordion:powersgd:2", "static:powersgd:4,1", "accordion:x"])
+def test_malformed_strategies_name_the_forms_with_the_ladder(text):
+    with pytest.raises(ValueError, match="strategy") as info:
+        parse_strategy(text)
+    assert "accordion:COMPRESSOR:MILD,...,AGGRESSIVE" in str(info.value)
+    assert "accordion:COMPRESSOR:MILD,...,AGGRESSIVE" in FORMATS
+
+
+def test_a_bad_level_says_what_the_compressor_takes():
+    with pytest.raises(ValueError, match=r"level '0\.5' must be an integer rank >= 1"):
+        parse_strategy("static:powersgd:0.5")
+    with pytest.raises(ValueError, match=r"level '2' must be a fraction in \(0, 1\]"):
+        parse_strategy("static:topk:2")
+
+
+def test_any_registered_compressor_parses_with_its_own_levels_and_order(fake):
+    strategy = parse_strategy("accordion:fake:light,medium,heavy")
+    assert (strategy.compressor, strategy.levels) == ("fake", ("light", "medium", "heavy"))
+    assert parse_strategy("static:fake:medium").levels == ("medium",)
+    with pytest.raises(ValueError, match="fake medium compresses less than fake heavy"):
+        parse_strategy("accordion:fake:heavy,medium")
+    with pytest.raises(ValueError, match="'light', 'medium' or 'heavy'"):
+        parse_strategy("static:fake:huge")
+    assert "fake" in strategy_compressors()
+
+
+# ------------------------------------------------------------------------------ run settings
+
+
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        ({"epochs": 0}, ValueError),
+        ({"epochs": 2.5}, TypeError),
+        ({"batch_size": True}, TypeError),
+        ({"lr": 0.0}, ValueError),
+        ({"lr": math.nan}, ValueError),
+        ({"eta": "0.5"}, TypeError),
+        ({"momentum": -0.1}, ValueError),
+        ({"decay_epochs": (30, -1)}, ValueError),
+        ({"decay_epochs": (30.0,)}, TypeError),
+        ({"on_rank_change": "keep"}, ValueError),
+        ({"lr_scaling": "cubic"}, ValueError),
+        ({"lr_scaling": 2}, TypeError),
+        ({"batch_warmup_steps": -1}, ValueError),
+        ({"clip": 0.0}, ValueError),
+        ({"strategy": "accordion:powersgd:1,4"}, ValueError),
+    ],
+)
+def test_train_config_validate_names_the_bad_setting(setting, error):
+    config = TrainConfig(**setting)
+    name = next(iter(setting))
+    with pytest.raises(error, match="strategy" if name == "strategy" else name):
+        config.validate()
+
+
+def test_train_config_defaults_and_presets_validate():
+    TrainConfig().validate()
+    for preset in train.PRESETS.values():
+        TrainConfig(**preset).validate()
+
+
+class _HookRecorder:
+    def __init__(self):
+        self.hooks = []
+
+    def register_comm_hook(self, state, hook):
+        self.hooks.append((state, hook))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("accordion:powersgd:4,2,1", {"levels": (4, 2, 1)}),
+        ("static:powersgd:4", {"mild": 4, "aggressive": 4}),
+        ("static:topk:0.1", {"mild": 0.1, "aggressive": 0.1}),
+    ],
+)
+def test_attach_strategy_hands_the_ladder_to_the_accordion_state(monkeypatch, text, expected):
+    made = []
+
+    def fake_state(model, **kwargs):
+        made.append(kwargs)
+        return "state"
+
+    monkeypatch.setattr(train, "AccordionState", fake_state)
+    ddp = _HookRecorder()
+    config = TrainConfig(strategy=text)
+    assert train._attach_strategy(config, parse_strategy(text), nn.Linear(2, 2), ddp) == "state"
+    (kwargs,) = made
+    ladder = {k: kwargs[k] for k in ("levels", "mild", "aggressive") if k in kwargs}
+    assert ladder == expected
+    assert kwargs["compressor"] == parse_strategy(text).compressor
+    assert ddp.hooks == [("state", train.accordion_hook)]
+
+
+def test_torch_powersgd_traffic_mimics_pytorchs_hook():
+    # a 64x64 matrix pays at rank 1, a 2x64 one does not (2 * 64 <= 2 * (2 + 64)); the
+    # first step is dense, as PyTorch's start_powerSGD_iter=2
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    traffic = train._Traffic(parse_strategy("torch-powersgd:1"), model, None, 4)
+    traffic.step()
+    assert traffic.floats == 64 * 64 + 64 + 2 * 64 + 2
+    traffic.step()
+    assert traffic.floats == (64 * 64 + 64 + 2 * 64 + 2) + ((64 + 64) * 1 + 64 + 2 * 64 + 2)
+    dense = train._Traffic(parse_strategy("dense"), model, None, 4)
+    dense.step()
+    assert dense.totals()[0] == sum(p.numel() for p in model.parameters())
+    assert dense.totals()[1] == pytest.approx(2 * 3 / 4 * 4 * dense.totals()[0])
+
+
+def test_the_reference_is_the_mildest_static_level_of_the_same_compressor():
+    rows = dict.fromkeys(
+        [
+            "dense", "static:powersgd:1", "static:powersgd:4", "static:powersgd:4:auto",
+            "accordion:powersgd:2,1", "accordion:powersgd:4,2,1", "static:topk:0.01",
+            "static:topk:0.99", "accordion:topk:0.5,0.01", "accordion:topk:0.01,0.01",
+            "torch-powersgd:2",
+        ]
+    )  # fmt: skip
+    expected = {
+        "dense": "dense",
+        "static:powersgd:1": "static:powersgd:4:auto",  # the mildest; equals: the last text
+        "accordion:powersgd:2,1": "static:powersgd:4:auto",
+        "accordion:powersgd:4,2,1": "static:powersgd:4",  # the static run of its mild level
+        "static:topk:0.01": "static:topk:0.99",
+        "accordion:topk:0.5,0.01": "static:topk:0.99",
+        "accordion:topk:0.01,0.01": "static:topk:0.01",
+        "torch-powersgd:2": "static:powersgd:4:auto",
+    }
+    assert {s: compare._reference(s, rows) for s in expected} == expected
+    assert compare._reference("static:topk:0.1", {"static:topk:0.1": None, "dense": None}) == (
+        "static:topk:0.1"
+    )
+    assert compare._reference("accordion:topk:0.5,0.1", {"dense": None}) is None
+
+
+def test_train_config_is_a_plain_dataclass_of_defaults():
+    # the command line reads its help defaults from these fields: each needs one
+    for f in dataclasses.fields(TrainConfig):
+        assert f.default is not dataclasses.MISSING, f.name
