@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -146,6 +147,37 @@ def test_a_rule_sees_the_same_agreed_statistics_on_every_rank(tmp_path):
     assert all(set(s["memory_norms"]) == set(s["grad_norms"]) for s in r0["seen"])
     # the memory is what compression still owes: nothing before the first step, then > 0
     assert any(v > 0 for s in r0["seen"][1:] for v in s["memory_norms"].values())
+
+
+class _RankDependent(PaperRule):
+    """A faulty rule: rank 1 always picks the most aggressive rung."""
+
+    def decide(self, observation, ladder):
+        rungs = super().decide(observation, ladder)
+        return dict.fromkeys(rungs, ladder.top) if dist.get_rank() == 1 else rungs
+
+
+def _faulty_rule_is_overruled(rank, world_size, out_dir):
+    import warnings
+
+    net = _mlp()
+    model = DDP(net)
+    state = AccordionState(net, "powersgd", levels=(4, 2, 1), interval=1, rule=_RankDependent())
+    model.register_comm_hook(state, accordion_hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(8, 12)).pow(2).mean().backward()
+        state.end_epoch(next_lr=0.1)
+    torch.save({"levels": state.levels(), "warned": [str(w.message) for w in caught]},
+               f"{out_dir}/rank{rank}.pt")  # fmt: skip
+
+
+def test_a_rule_deciding_differently_on_another_rank_is_overruled_by_rank_0(tmp_path):
+    run_processes(_faulty_rule_is_overruled, 2, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["levels"] == r1["levels"] == {"0.weight": 4, "2.weight": 4, "4.weight": 4}
+    assert r0["warned"] == []
+    assert any("rank 0's decision applies" in w for w in r1["warned"])
 
 
 def test_a_rule_that_is_not_a_rule_is_a_type_error():

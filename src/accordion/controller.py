@@ -14,6 +14,7 @@ when an epoch or a step ends.
 
 # No `from __future__ import annotations`: a DDP hook's annotations are checked at run time.
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -376,9 +377,30 @@ class Controller:
             raise ValueError(
                 f"{type(self.rule).__name__}.decide named unknown layers {unknown[:5]}"
             )
-        self._set_rungs({k: self.ladder.check_rung(k, r) for k, r in rungs.items()})
+        rungs = {k: self.ladder.check_rung(k, r) for k, r in rungs.items()}
+        self._set_rungs(self._agreed_rungs(list(grad_norms), rungs))
         for acc in self._accumulators.values():
             acc.zero_()
+
+    def _agreed_rungs(self, keys: list[str], rungs: dict[str, int]) -> dict[str, int]:
+        """Rank 0's decision, on every rank: a rule that decided otherwise elsewhere (it
+        read something besides its observation) cannot make the ranks send different
+        collectives."""
+        transport = self.transport()
+        if transport.world_size == 1:
+            return rungs
+        device = next(iter(self._accumulators.values())).device
+        local = torch.tensor([rungs.get(k, -1) for k in keys], dtype=torch.int64, device=device)
+        agreed = local.clone()
+        transport.run(_single(Broadcast(agreed, 0)))
+        if not torch.equal(agreed, local):
+            warnings.warn(
+                f"{type(self.rule).__name__} decided differently on this rank than on rank 0; "
+                "rank 0's decision applies (a rule must decide from its observation alone)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return {k: int(r) for k, r in zip(keys, agreed.tolist()) if r >= 0}
 
     def _set_rungs(self, rungs: Mapping[str, int], keep: bool = False) -> None:
         """Apply ``rungs``: the decision in force, unless ``keep`` (a mid-window override)."""
