@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .compress import compressor_class, compressor_names
+from .compress import compressing_names, compressor_class
 from .costmodel import parse_bandwidth, parse_latency
 
 
 def plan_compressors() -> tuple[str, ...]:
     """The compressors ``accordion plan --compressor`` takes: every registered one but dense
     (which the plan always shows)."""
-    return tuple(name for name in compressor_names() if name != "dense")
+    return compressing_names()
 
 
 #: The compressor ``accordion plan`` weighs by default (the paper's).

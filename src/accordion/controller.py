@@ -39,6 +39,7 @@ from .compress import (
 from .compress.transport import private_group
 from .params import ParameterTable
 from .policy import DecayDetector, Ladder, Observation, PaperRule, Rule, Schedule
+from .statistics import GradientSums
 
 STATISTICS = ("rank0", "mean")
 
@@ -109,7 +110,7 @@ class Controller:
         self.params = ParameterTable()
         self._decay = DecayDetector()
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
-        self._accumulators: dict[str, torch.Tensor] = {}
+        self.sums = GradientSums()
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
         self._transport: TorchTransport | LocalTransport | None = None
         #: The last :meth:`calibrate` report, or ``None``.
@@ -166,8 +167,7 @@ class Controller:
         """
         renamed = self.params.bind(model)
         for old, new in renamed.items():
-            if old in self._accumulators:
-                self._accumulators[new] = self._accumulators.pop(old)
+            self.sums.rename(old, new)
             if old in self.ledger.layers:
                 self.ledger.layers[new] = self.ledger.layers.pop(old)
             if old in self._rungs:
@@ -206,14 +206,8 @@ class Controller:
         reducer = self.reducer
         if self._collecting():
             for key, grad in zip(keys, grads):
-                if not reducer.compresses(grad, key):
-                    continue
-                acc = self._accumulators.get(key)
-                if acc is None:
-                    # fp32 sums: an epoch of fp16 gradients can overflow fp16
-                    acc = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-                    self._accumulators[key] = acc
-                acc.add_(grad)
+                if reducer.compresses(grad, key):
+                    self.sums.add(key, grad)
         for key, grad in zip(keys, grads):
             self.ledger.add(key, *self._cost(key, grad, world))
 
@@ -286,7 +280,7 @@ class Controller:
             raise ValueError(f"keys must be bound parameter keys, unknown: {unknown[:5]}")
         self.reducer.set_dense(keys)
         for key in keys:
-            self._accumulators.pop(key, None)  # a dense tensor's level never matters
+            self.sums.forget(key)  # a dense tensor's level never matters
 
     @property
     def dense_keys(self) -> list[str]:
@@ -379,8 +373,7 @@ class Controller:
             )
         rungs = {k: self.ladder.check_rung(k, r) for k, r in rungs.items()}
         self._set_rungs(self._agreed_rungs(list(grad_norms), rungs))
-        for acc in self._accumulators.values():
-            acc.zero_()
+        self.sums.zero()
 
     def _agreed_rungs(self, keys: list[str], rungs: dict[str, int]) -> dict[str, int]:
         """Rank 0's decision, on every rank: a rule that decided otherwise elsewhere (it
@@ -389,7 +382,7 @@ class Controller:
         transport = self.transport()
         if transport.world_size == 1:
             return rungs
-        device = next(iter(self._accumulators.values())).device
+        device = self.sums.device
         local = torch.tensor([rungs.get(k, -1) for k in keys], dtype=torch.int64, device=device)
         agreed = local.clone()
         transport.run(_single(Broadcast(agreed, 0)))
@@ -416,10 +409,10 @@ class Controller:
     def _agreed_statistics(self) -> tuple[dict[str, float], dict[str, float]]:
         """Norms of the accumulated local gradients (and of the memories, when the rule
         needs them), identical on every rank: one collective through the transport."""
-        keys = [k for k in self.params.shapes if k in self._accumulators]
+        keys = self.sums.keys_in(self.params.shapes)
         if not keys:
             return {}, {}
-        values = [torch.linalg.vector_norm(self._accumulators[k]) for k in keys]
+        values = self.sums.norms(keys)
         with_memory = "memory_norms" in self.rule.needs
         if with_memory:
             values += [_norm(self.reducer.memory.get(k), values[0]) for k in keys]
@@ -517,7 +510,7 @@ class Controller:
             "config": self.config(),
             "shapes": {k: list(s) for k, s in self.params.shapes.items()},
             "reducer": self.reducer.state_dict(),
-            "accumulators": {k: a.clone() for k, a in self._accumulators.items()},
+            "accumulators": self.sums.state_dict(),
             "rule": self.rule.state_dict(),
             "rungs": dict(self._rungs),
             "ledger": self.ledger.state_dict(),
@@ -536,7 +529,7 @@ class Controller:
         checkpoint.check_owner(state, world, rank, self.config())
         self.params.expect(state["shapes"])
         self.reducer.load_state_dict(state["reducer"])
-        self._accumulators = {k: a.clone() for k, a in state["accumulators"].items()}
+        self.sums.load_state_dict(state["accumulators"])
         self.rule.load_state_dict(state["rule"])
         self._rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
         self.ledger.load_state_dict(state["ledger"])

@@ -28,7 +28,15 @@ from typing import Any
 
 # Registration order is the order in which the registry lists the compressors.
 # ruff: noqa: I001
-from .base import Compressor, Dense, compressor_class, compressor_names, register, sent_as
+from .base import (
+    Compressor,
+    Dense,
+    compressing_names,
+    compressor_class,
+    compressor_names,
+    register,
+    sent_as,
+)
 from .powersgd import PowerSGD, orthogonalize_
 from .topk import TopK
 from .half import HalfPrecision
@@ -63,6 +71,7 @@ __all__ = [
     "TopK",
     "TorchTransport",
     "collective_bytes",
+    "compressing_names",
     "compressor_class",
     "compressor_names",
     "make_compressor",

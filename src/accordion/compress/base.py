@@ -212,6 +212,11 @@ def compressor_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def compressing_names() -> tuple[str, ...]:
+    """The registered compressors that compress something: every one but ``dense``."""
+    return tuple(name for name, cls in _REGISTRY.items() if cls is not Dense)
+
+
 def compressor_class(name: str) -> type[Compressor]:
     """The registered compressor class called ``name``; a clear error for any other."""
     if not isinstance(name, str):

@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..compress import Compressor, compressor_class, compressor_names
+from ..compress import Compressor, compressing_names, compressor_class
 from ..policy import Ladder
 
 FORMATS = (
@@ -56,7 +56,7 @@ TORCH_POWERSGD = "powersgd"
 def strategy_compressors() -> tuple[str, ...]:
     """The compressors a static or Accordion strategy may name: every registered one but
     ``dense`` (which is its own strategy)."""
-    return tuple(name for name in compressor_names() if name != "dense")
+    return compressing_names()
 
 
 @dataclass(frozen=True)
