@@ -28,6 +28,8 @@ ALL_FAMILIES = [
     "batch-fixed:32,64",
     "batch:32,64+accordion:powersgd:2,1",
     "accordion:powersgd:2,1:auto",
+    "static:half:fp16",
+    "accordion:powersgd:4,2,1",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -102,6 +104,24 @@ def test_compressed_strategies_send_less_than_dense(compared):
     sent = {row["strategy"]: row["floats"] for row in results["table"]}
     for strategy in ("static:powersgd:2", "accordion:powersgd:2,1", "torch-powersgd:1"):
         assert sent[strategy] < sent["dense"]
+
+
+def test_a_static_half_strategy_sends_half_the_dense_bytes_through_the_hook(compared):
+    _, results = compared
+    table = {row["strategy"]: row for row in results["table"]}
+    runs = {r["strategy"]: r for r in results["runs"]}
+    assert table["static:half:fp16"]["bytes"] == table["dense"]["bytes"] / 2
+    assert table["static:half:fp16"]["floats"] == table["dense"]["floats"]  # paper floats
+    levels = runs["static:half:fp16"]["epochs"][-1]["levels"]
+    assert set(levels.values()) == {"fp16"} and "linear.bias" in levels  # biases too
+
+
+def test_a_three_rung_strategy_starts_at_the_mildest_rung(compared):
+    _, results = compared
+    run = next(r for r in results["runs"] if r["strategy"] == "accordion:powersgd:4,2,1")
+    assert (run["mild"], run["aggressive"]) == (4, 1)
+    assert set(run["epochs"][0]["levels"].values()) == {4}
+    assert all(set(e["levels"].values()) <= {4, 1} for e in run["epochs"])  # the paper rule
 
 
 def test_batch_strategies_record_the_batch_size_and_send_once_per_global_batch(compared):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._validate import check_int, check_number
-from .compress import Compressor, Dense, ErrorFeedback, Reducer, SimulatedTransport
+from .compress import Compressor, Dense, ErrorFeedback, LocalTransport, Reducer
 from .costmodel import TensorCost, choose_dense, fit_link, transfer_time
 
 #: Smallest all-reduce timed (bytes): mostly latency.
@@ -90,12 +90,12 @@ def _time_reducer(
 ) -> float:
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    transport = SimulatedTransport(1)
+    transport = LocalTransport()
     times = []
     for _ in range(repeats + 1):  # the first call allocates warm-start state
         work = grad.clone()
         start = time.perf_counter()
-        transport.run([reducer.exchange(["t"], [work], 1)])
+        transport.run(reducer.exchange(["t"], [work], 1))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
