@@ -82,3 +82,32 @@ def test_a_truncated_format_1_checkpoint_is_a_value_error_not_a_key_error():
     del saved["detector"]
     with pytest.raises(ValueError, match="incomplete or malformed"):
         AccordionState(make_net()).load_state_dict(saved)
+
+
+def _trained_state():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=1)
+    for i in range(3):
+        step(net, state, i)
+        state.end_epoch(next_lr=0.1)
+    return state
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda s: s["rungs"].update({"0.weight": 7}),  # no such rung
+        lambda s: s["reducer"]["compressor"].pop("q"),  # PowerSGD's factors missing
+        lambda s: s.update(epoch=-1),
+        lambda s: s["ledger"].update(layers=[1, 2]),
+        lambda s: s["rule"].pop("norms"),
+    ],
+)
+def test_a_failed_load_leaves_the_state_as_it_was(tamper):
+    saved = _trained_state().state_dict()
+    fresh = AccordionState(make_net(), "powersgd", mild=2, aggressive=1, interval=1)
+    before = (fresh.stats(), fresh.levels(), fresh.rungs(), fresh.reducer)
+    tamper(saved)
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(saved)
+    assert (fresh.stats(), fresh.levels(), fresh.rungs(), fresh.reducer) == before

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
-from ._validate import check_choice
+from ._validate import check_choice, check_int, check_number
 from .accounting import Ledger, paper_floats, wire_bytes
 from .compress import (
     AllReduce,
@@ -522,20 +522,47 @@ class Controller:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by the same rank of a job with the same world
         size, model and configuration (checkpoints of format 1, written before the policy
-        layer, are read too); anything else raises ``ValueError``."""
+        layer, are read too); anything else raises ``ValueError`` and leaves this state as
+        it was: every part is loaded into a fresh object first, and swapped in at the end."""
         state = checkpoint.upgrade(state)
         world = self._world_size()
         rank = dist.get_rank(self.process_group) if world > 1 else 0
         checkpoint.check_owner(state, world, rank, self.config())
-        self.params.expect(state["shapes"])
-        self.reducer.load_state_dict(state["reducer"])
-        self.sums.load_state_dict(state["accumulators"])
-        self.rule.load_state_dict(state["rule"])
-        self._rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
-        self.ledger.load_state_dict(state["ledger"])
-        self.epoch = int(state["epoch"])
-        self.step = int(state["step"])
-        self._decay.last_lr = state["last_lr"]
+        try:
+            parts = self._loaded_parts(state)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"the checkpoint is malformed: {exc!r}") from None
+        previous = self.params.expected
+        self.params.expect(state["shapes"])  # restores itself when it raises
+        try:
+            self.rule.load_state_dict(state["rule"])
+        except BaseException:
+            self.params.expected = previous
+            raise
+        self.reducer, self.sums, self.ledger, self._rungs, counters = parts
+        self.epoch, self.step, self._decay.last_lr = counters
+        self._costs.clear()
+
+    def _loaded_parts(self, state: Mapping[str, Any]) -> tuple:
+        """The reducer, sums, ledger, rungs and counters of ``state``, as new objects."""
+        reducer = Reducer(self._new_compressor(), ErrorFeedback())
+        reducer.load_state_dict(state["reducer"])
+        sums = GradientSums()
+        sums.load_state_dict(state["accumulators"])
+        ledger = Ledger()
+        ledger.load_state_dict(state["ledger"])
+        if not isinstance(state["rungs"], Mapping):
+            raise ValueError(f"the checkpoint's rungs must be a Mapping, got {state['rungs']!r}")
+        rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
+        last_lr = state["last_lr"]
+        if last_lr is not None:
+            last_lr = check_number("the checkpoint's last_lr", last_lr, minimum=0)
+        counters = (
+            check_int("the checkpoint's epoch", state["epoch"], 0),
+            check_int("the checkpoint's step", state["step"], 0),
+            last_lr,
+        )
+        return reducer, sums, ledger, rungs, counters
 
 
 def _ladder(cls, mild: Any, aggressive: Any, levels: Sequence[Any] | None) -> Ladder:
