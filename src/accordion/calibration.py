@@ -229,7 +229,7 @@ def calibrate(
     if buckets is None:
         total = sum(math.prod(s) * params.element_size[k] for k, s in params.shapes.items())
         buckets = 1 + math.ceil(total / DDP_BUCKET_BYTES)
-    costs = _tensor_costs(controller, bandwidth, repeats, group if world > 1 else None)
+    costs = _tensor_costs(controller, bandwidth, repeats, world, group if world > 1 else None)
     applies = controller.compressor.applies_to
     other = sum(
         transfer_time(shape, "dense", None, max(world, 2), bandwidth, params.element_size[k])
@@ -265,7 +265,9 @@ def _check_calibration(bandwidth, latency, buckets, repeats, compute_s) -> None:
         check_number("compute_s", compute_s, minimum=0, unit="seconds")
 
 
-def _tensor_costs(controller: Any, bandwidth: float, repeats: int, group: Any) -> list[TensorCost]:
+def _tensor_costs(
+    controller: Any, bandwidth: float, repeats: int, world: int, group: Any
+) -> list[TensorCost]:
     """Per tensor the compressor applies to: dense and compressed transfer times at the
     mild level, and the computation compression adds (measured)."""
     params, name, mild = controller.params, controller.compressor_name, controller.mild
@@ -278,7 +280,7 @@ def _tensor_costs(controller: Any, bandwidth: float, repeats: int, group: Any) -
         controller._new_compressor, [params.shapes[k] for k in keys], dtype, device,
         repeats=repeats, group=group,
     )  # fmt: skip
-    world = max(controller.transport().world_size, 2)  # one process still gets a verdict
+    world = max(world, 2)  # a single process still gets a verdict for the model
     costs = []
     for key, extra_s in zip(keys, compute):
         shape, size = params.shapes[key], params.element_size[key]

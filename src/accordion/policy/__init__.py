@@ -10,11 +10,11 @@ Pure logic: plain values in and out, no ``torch.distributed``.
 """
 
 from .ladder import Ladder
-from .rules import STATISTICS, Observation, PaperRule, Rule, check_eta, paper_check
+from .rules import RULE_STATISTICS, Observation, PaperRule, Rule, check_eta, paper_check
 from .schedule import UNITS, DecayDetector, Schedule
 
 __all__ = [
-    "STATISTICS",
+    "RULE_STATISTICS",
     "UNITS",
     "DecayDetector",
     "Ladder",

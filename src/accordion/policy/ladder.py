@@ -44,6 +44,7 @@ class Ladder:
                 )
         self.compressor = compressor
         self.levels = checked
+        self._adaptive = len(set(checked)) > 1  # asked per bucket: computed once
 
     @property
     def mildest(self) -> Any:
@@ -63,7 +64,7 @@ class Ladder:
     @property
     def adaptive(self) -> bool:
         """Whether the rungs differ, i.e. a decision can change what is sent."""
-        return len(set(self.levels)) > 1
+        return self._adaptive
 
     def check_rung(self, name: str, rung: Any) -> int:
         """Validate a rung index for layer ``name`` and return it."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from .ladder import Ladder
 
 #: Statistics a rule may ask for beyond the paper's gradient norms.
-STATISTICS = frozenset({"memory_norms"})
+RULE_STATISTICS = frozenset({"memory_norms"})
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Rule(ABC):
 
     #: A short name, saved in checkpoints so that a resumed job uses the same rule.
     name: ClassVar[str] = "rule"
-    #: Statistics beyond ``grad_norms`` that :meth:`decide` reads (see ``STATISTICS``).
+    #: Statistics beyond ``grad_norms`` that :meth:`decide` reads (see ``RULE_STATISTICS``).
     needs: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self) -> None:
