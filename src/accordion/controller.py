@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
-from ._validate import check_choice, check_int, check_number
+from ._validate import check_bool, check_choice, check_int, check_number
 from .accounting import Ledger, paper_floats, wire_bytes
 from .compress import (
     AllReduce,
@@ -108,7 +108,8 @@ class Controller:
         self.step = 0
         self.ledger = Ledger()
         self.params = ParameterTable()
-        self._decay = DecayDetector()
+        self._decay = DecayDetector(self.rule.decay_drop)
+        self._decayed = False  # a decay since the last check (Observation.decayed)
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
         self.sums = GradientSums()
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
@@ -319,6 +320,7 @@ class Controller:
             self._check(index, decay, f"epoch {self.epoch}")
         elif decay:  # every layer critical at once, until the next check
             self._set_rungs(dict.fromkeys(self._rungs, 0))
+            self._decayed = True
         self.epoch += 1
         return self.critical()
 
@@ -347,6 +349,7 @@ class Controller:
         if index is None:
             if decay:  # a decay makes every layer critical at once, not at the window end
                 self._set_rungs(dict.fromkeys(self.levels(), 0), keep=True)
+                self._decayed = True
             return None
         self._check(index, decay, f"the step window ending at step {self.step}")
         return self.critical()
@@ -359,8 +362,8 @@ class Controller:
                 f"no gradient reached the Accordion state during {period}: "
                 "is the hook registered (or reduce_gradients called) every step?"
             )
-        observation = Observation(index, self.interval_unit, decay, grad_norms,
-                                  memory_norms, dict(self._rungs))  # fmt: skip
+        observation = Observation(index, self.interval_unit, decay, grad_norms, memory_norms,
+                                  dict(self._rungs), decay or self._decayed)  # fmt: skip
         rungs = self.rule.decide(observation, self.ladder)
         if not isinstance(rungs, Mapping):
             raise TypeError(
@@ -374,6 +377,7 @@ class Controller:
         rungs = {k: self.ladder.check_rung(k, r) for k, r in rungs.items()}
         self._set_rungs(self._agreed_rungs(list(grad_norms), rungs))
         self.sums.zero()
+        self._decayed = False
 
     def _agreed_rungs(self, keys: list[str], rungs: dict[str, int]) -> dict[str, int]:
         """Rank 0's decision, on every rank: a rule that decided otherwise elsewhere (it
@@ -517,6 +521,8 @@ class Controller:
             "epoch": self.epoch,
             "step": self.step,
             "last_lr": self._decay.last_lr,
+            "decay_reference": self._decay.reference,
+            "decayed": self._decayed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -540,7 +546,7 @@ class Controller:
             self.params.expected = previous
             raise
         self.reducer, self.sums, self.ledger, self._rungs, counters = parts
-        self.epoch, self.step, self._decay.last_lr = counters
+        self.epoch, self.step, self._decay.last_lr, self._decay.reference, self._decayed = counters
         self._costs.clear()
 
     def _loaded_parts(self, state: Mapping[str, Any]) -> tuple:
@@ -554,13 +560,16 @@ class Controller:
         if not isinstance(state["rungs"], Mapping):
             raise ValueError(f"the checkpoint's rungs must be a Mapping, got {state['rungs']!r}")
         rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
-        last_lr = state["last_lr"]
-        if last_lr is not None:
-            last_lr = check_number("the checkpoint's last_lr", last_lr, minimum=0)
+        rates = []
+        for key in ("last_lr", "decay_reference"):  # decay_reference: absent in older files
+            rate = state.get(key)
+            rates.append(None if rate is None else
+                         check_number(f"the checkpoint's {key}", rate, minimum=0))  # fmt: skip
         counters = (
             check_int("the checkpoint's epoch", state["epoch"], 0),
             check_int("the checkpoint's step", state["step"], 0),
-            last_lr,
+            *rates,
+            check_bool("the checkpoint's decayed", state.get("decayed", False)),
         )
         return reducer, sums, ledger, rungs, counters
 

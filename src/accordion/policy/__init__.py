@@ -4,24 +4,39 @@
 * :class:`Schedule` -- when decisions are made (every N epochs or steps) and
   :class:`DecayDetector` -- the learning-rate decay override;
 * :class:`Rule` -- what is decided, from an :class:`Observation`; :class:`PaperRule` is
-  Accordion's rule.
+  Accordion's rule; :class:`GuardedRule` descends a ladder one rung at a time and steps
+  back when a layer relapses.
 
 Pure logic: plain values in and out, no ``torch.distributed``.
 """
 
+from .guarded import GuardedRule
 from .ladder import Ladder
 from .rules import RULE_STATISTICS, Observation, PaperRule, Rule, check_eta, paper_check
 from .schedule import UNITS, DecayDetector, Schedule
 
+#: The rules by name, as strategies and checkpoints name them.
+RULES: dict[str, type[Rule]] = {PaperRule.name: PaperRule, GuardedRule.name: GuardedRule}
+
+
+def make_rule(name: str, eta: float | None = None) -> Rule:
+    """A rule by its name (see ``RULES``), with the threshold ``eta`` if given."""
+    if name not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(RULES)}, got {name!r}")
+    return RULES[name]() if eta is None else RULES[name](eta)
+
 __all__ = [
+    "RULES",
     "RULE_STATISTICS",
     "UNITS",
     "DecayDetector",
+    "GuardedRule",
     "Ladder",
     "Observation",
     "PaperRule",
     "Rule",
     "Schedule",
     "check_eta",
+    "make_rule",
     "paper_check",
 ]

@@ -37,6 +37,8 @@ class Observation:
         memory_norms: per compressed layer, the L2 norm of its error-feedback memory now
             (what compression still owes); filled when the rule ``needs`` it.
         rungs: per layer, the rung it was at until now (0 is the mildest).
+        decayed: whether the learning rate decayed since the last check (this one
+            included), as the rule's ``decay_drop`` counts decays.
     """
 
     index: int
@@ -45,6 +47,7 @@ class Observation:
     grad_norms: Mapping[str, float]
     memory_norms: Mapping[str, float] = field(default_factory=dict)
     rungs: Mapping[str, int] = field(default_factory=dict)
+    decayed: bool = False
 
 
 class Rule(ABC):
@@ -54,6 +57,10 @@ class Rule(ABC):
     name: ClassVar[str] = "rule"
     #: Statistics beyond ``grad_norms`` that :meth:`decide` reads (see ``RULE_STATISTICS``).
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: What counts as a learning-rate decay: ``None`` (the paper) any fall of the rate
+    #: between two calls; a ratio ``f`` in (0, 1) a fall to ``f`` times the rate at the
+    #: previous decay (or the peak since) or less.
+    decay_drop: float | None = None
 
     def __init__(self) -> None:
         #: One JSON-serialisable record per check, oldest first (``stats()["checks"]``).

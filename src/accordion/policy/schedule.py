@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._validate import check_bool, check_choice, check_int
+from .._validate import check_bool, check_choice, check_int, check_number
 
 UNITS = ("epoch", "step")
 
@@ -46,11 +46,26 @@ class Schedule:
 
 
 class DecayDetector:
-    """Notices learning-rate decays from the rate seen at each call."""
+    """Notices learning-rate decays from the rate seen at each call.
 
-    def __init__(self) -> None:
+    Args:
+        drop: ``None`` (the paper): any fall of the rate since the last call is a decay.
+            A ratio in (0, 1): a decay is a fall to ``drop`` times the reference rate or
+            less, where the reference is the rate at the last decay, raised to any higher
+            rate seen since (warm-up); a slowly falling cosine schedule then decays only
+            each time its rate has halved (``drop=0.5``), not at every call.
+    """
+
+    def __init__(self, drop: float | None = None) -> None:
+        if drop is not None:
+            check_number("drop", drop, minimum=0, strict=True)
+            if drop >= 1:
+                raise ValueError(f"drop must be a ratio in (0, 1) or None, got {drop!r}")
+        self.drop = drop
         #: The learning rate seen at the last call, or ``None``.
         self.last_lr: float | None = None
+        #: The rate a fall is measured from (``drop`` not ``None``), or ``None``.
+        self.reference: float | None = None
 
     @staticmethod
     def lr_of(optimizer: torch.optim.Optimizer | None, next_lr: Any) -> float | None:
@@ -70,12 +85,18 @@ class DecayDetector:
         return float(optimizer.param_groups[0]["lr"])
 
     def decay(self, lr: float | None, lr_will_decay: bool | None) -> bool:
-        """Whether the rate decays now: ``lr_will_decay`` if given, else ``lr`` below the
-        last rate seen. Remembers ``lr``."""
+        """Whether the rate decays now: ``lr_will_decay`` if given, else a fall of ``lr``
+        as ``drop`` defines it. Remembers ``lr``."""
         if lr_will_decay is not None:
             decay = check_bool("lr_will_decay", lr_will_decay)
+        elif lr is None:
+            decay = False
+        elif self.drop is None:
+            decay = self.last_lr is not None and lr < self.last_lr
         else:
-            decay = lr is not None and self.last_lr is not None and lr < self.last_lr
+            decay = self.reference is not None and lr <= self.drop * self.reference
         if lr is not None:
             self.last_lr = lr
+            if decay or self.reference is None or lr > self.reference:
+                self.reference = lr
         return decay

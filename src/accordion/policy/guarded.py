@@ -1,0 +1,151 @@
+"""The guarded ladder rule: one rung at a time, back one rung when training reacts.
+
+The paper's rule jumps from the mildest level to the most aggressive one as soon as a
+layer's gradient norm settles, and finds out ``interval`` epochs later whether that was
+safe. On MNIST-1D a PowerSGD switch from rank 4 to rank 1 at the peak learning rate
+makes the error-feedback memory grow about 5x and the layer's gradient norm jump by
+60-80% within one epoch, while a switch to rank 2 leaves both close to where they were
+(``benchmarks/switch_transient``, ``docs/design.md``). So this rule:
+
+* descends **one rung** per check while a layer's norm is calm (the paper's test with
+  ``eta``);
+* treats a layer whose norm grows by ``eta`` or more right after a descent as a
+  **relapse**: it goes back up one rung, and that rung stays out of reach until the next
+  learning-rate decay (the rung was too aggressive at this learning rate);
+* moves a layer that turns critical otherwise **up one rung**, not straight to the top;
+* puts every layer back on the mildest rung after a **decay**, and compares norms only
+  within one learning-rate regime from then on; it counts a decay only when the
+  learning rate falls to ``decay_drop`` times (or less) the rate of the previous decay or
+  the peak since: a cosine or linear schedule, whose rate falls a little every epoch, is
+  not in a critical regime at every check.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from .ladder import Ladder
+from .rules import Observation, Rule, check_eta
+
+#: The guarded rule's default decay threshold: a fall of the lr to half or less.
+DEFAULT_DECAY_DROP = 0.5
+
+
+def check_decay_drop(decay_drop: Any) -> float:
+    """Validate a decay threshold (a float in (0, 1), a ratio of learning rates)."""
+    if isinstance(decay_drop, bool) or not isinstance(decay_drop, numbers.Real):
+        raise TypeError(
+            f"decay_drop must be a float in (0, 1) (a ratio of learning rates), got {decay_drop!r}"
+        )
+    if not (math.isfinite(decay_drop) and 0 < decay_drop < 1):
+        raise ValueError(
+            f"decay_drop must be a float in (0, 1) (a ratio of learning rates), got {decay_drop!r}"
+        )
+    return float(decay_drop)
+
+
+class GuardedRule(Rule):
+    """Descend the ladder one rung per calm check; step back one rung, and keep off the
+    rung that failed, when a layer's gradient norm jumps after a descent.
+
+    Args:
+        eta: threshold on the relative change of a layer's gradient norm between two
+            checks (dimensionless, as the paper's ``eta``; default 0.5).
+        decay_drop: a learning-rate decay is a fall to ``decay_drop`` times the rate at
+            the previous decay (or the peak since) or less (a ratio in (0, 1), default 0.5).
+
+    ``history`` holds one record per check::
+
+        {"epoch": int, "lr_will_decay": bool,
+         "layers": {name: {"old_norm", "new_norm", "ratio", "critical", "rung", "limit",
+                           "relapse"}}}
+    """
+
+    name = "guarded"
+
+    def __init__(self, eta: float = 0.5, decay_drop: float = DEFAULT_DECAY_DROP):
+        super().__init__()
+        self.eta = check_eta(eta)
+        self.decay_drop = check_decay_drop(decay_drop)
+        #: Norms remembered at the last check.
+        self.norms: dict[str, float] = {}
+        #: Per layer, the most aggressive rung allowed until the next decay.
+        self.limits: dict[str, int] = {}
+        #: Layers that descended at the last check (a jump now is a relapse).
+        self.probation: set[str] = set()
+
+    def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
+        if observation.decayed:  # a new regime: norms from before it say nothing now
+            self.limits.clear()
+            self.probation.clear()
+            self.norms.clear()
+        rungs, layers = {}, {}
+        for name, new in observation.grad_norms.items():
+            rungs[name], layers[name] = self._layer(name, new, observation, ladder)
+        self.norms = dict(observation.grad_norms)
+        self.history.append(
+            {"epoch": observation.index, "lr_will_decay": observation.lr_will_decay,
+             "layers": layers}
+        )  # fmt: skip
+        return rungs
+
+    def _layer(
+        self, name: str, new: float, observation: Observation, ladder: Ladder
+    ) -> tuple[int, dict[str, Any]]:
+        """One layer's rung and its history record."""
+        old = self.norms.get(name)
+        ratio = None if old is None or old == 0 else abs(old - new) / old
+        current = observation.rungs.get(name, 0)
+        limit = self.limits.get(name, ladder.top)
+        relapse = False
+        if ratio is None:  # the first check, or the first after a decay
+            rung = 0
+        elif ratio >= self.eta:
+            # compression falling behind shows as a norm that grows, right after a descent
+            relapse = name in self.probation and current > 0 and new > old
+            if relapse:  # the last descent was one rung too far at this learning rate
+                limit = self.limits[name] = current - 1
+            rung = max(current - 1, 0)
+        else:
+            rung = min(current + 1, limit)
+        if rung > current:
+            self.probation.add(name)
+        else:
+            self.probation.discard(name)
+        record = {"old_norm": old, "new_norm": new, "ratio": ratio, "critical": rung == 0,
+                  "rung": rung, "limit": limit, "relapse": relapse}  # fmt: skip
+        return rung, record
+
+    def config(self) -> dict[str, Any]:
+        return {"eta": self.eta, "decay_drop": self.decay_drop}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "norms": dict(self.norms),
+            "limits": dict(self.limits),
+            "probation": sorted(self.probation),
+            "history": copy.deepcopy(self.history),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            norms = {str(k): float(v) for k, v in state["norms"].items()}
+            limits = {str(k): _rung(v) for k, v in state["limits"].items()}
+            probation = {str(k) for k in state["probation"]}
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise ValueError(
+                "state must come from GuardedRule.state_dict() "
+                "(keys 'norms', 'limits', 'probation', 'history')"
+            ) from None
+        super().load_state_dict(state)
+        self.norms, self.limits, self.probation = norms, limits, probation
+
+
+def _rung(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a rung must be an int >= 0, got {value!r}")
+    return value
