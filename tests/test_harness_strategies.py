@@ -272,3 +272,22 @@ def test_train_config_is_a_plain_dataclass_of_defaults():
     # the command line reads its help defaults from these fields: each needs one
     for f in dataclasses.fields(TrainConfig):
         assert f.default is not dataclasses.MISSING, f.name
+
+
+def test_an_accordion_strategy_names_its_rule_and_interval_in_any_order():
+    a = parse_strategy("accordion:powersgd:4,2,1:guarded:every=2")
+    b = parse_strategy("accordion:powersgd:4,2,1:every=2:guarded")
+    expected = ("guarded", 2, (4, 2, 1))
+    assert (a.rule, a.interval, a.levels) == (b.rule, b.interval, b.levels) == expected
+    assert parse_strategy("accordion:topk:0.99,0.01:paper:auto").auto
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["accordion:powersgd:4,1:median", "accordion:powersgd:4,1:every=0",
+     "accordion:powersgd:4,1:paper:paper", "static:powersgd:4:guarded",
+     "static:powersgd:4:every=2"],
+)  # fmt: skip
+def test_a_bad_strategy_suffix_is_a_value_error_naming_the_strategy(text):
+    with pytest.raises(ValueError, match="strategy"):
+        parse_strategy(text)

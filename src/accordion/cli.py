@@ -223,7 +223,7 @@ def _train_defaults() -> dict[str, str]:
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``train`` and ``compare``; None means "from the preset or default"."""
     from .harness.data import TASKS
-    from .harness.train import LR_SCALINGS
+    from .harness.train import LR_SCALINGS, SCHEDULES
 
     d = _train_defaults()
     tasks = ", ".join(f"{task} (default)" if task == d["task"] else task for task in TASKS)
@@ -241,6 +241,11 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
         ("--decay-epochs", None, "comma-separated epochs of lr decays "
          f"(default {d['decay_epochs']})"),
         ("--decay-factor", float, f"lr factor at each decay (default {d['decay_factor']})"),
+        ("--schedule", None, f"lr after warm-up: {' or '.join(SCHEDULES)} (step: "
+         "--decay-factor at each --decay-epochs; cosine: from --lr down to "
+         f"--min-lr-factor x lr at the end of training) (default {d['schedule']})"),
+        ("--min-lr-factor", float, "cosine schedule: final lr as a fraction of --lr, 0 to 1 "
+         f"(default {d['min_lr_factor']})"),
         ("--momentum", float, f"SGD momentum (default {d['momentum']})"),
         ("--weight-decay", float, f"weight decay (default {d['weight_decay']})"),
         ("--interval", int, f"Accordion check interval, epochs (default {d['interval']})"),
@@ -340,23 +345,55 @@ def _train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_baseline(args: argparse.Namespace, strategies: Sequence[str], where: str) -> None:
+    """A usage error (exit 2) unless ``--baseline`` is absent or one of ``strategies``."""
+    if args.baseline is not None and args.baseline not in strategies:
+        args.parser.error(
+            f"argument --baseline: must be one of {where} ({', '.join(strategies)}), "
+            f"got {args.baseline!r}"
+        )
+
+
+def _compare_from_files(args: argparse.Namespace) -> int:
+    """``compare --from FILE...``: the tables of saved results.json files, no training."""
+    from .harness.compare import add_paired, format_paired, format_table, load_results
+
+    try:
+        results = load_results(args.from_files)
+    except (OSError, TypeError, ValueError) as exc:
+        args.parser.error(f"argument --from: {exc}")
+    _check_baseline(args, results["config"]["strategies"], "the strategies in the files")
+    print(format_table(results))
+    if args.baseline is not None:
+        add_paired(results, args.baseline)
+        print("\n" + format_paired(results))
+    return 0
+
+
 def _compare_command(args: argparse.Namespace) -> int:
-    from .harness.compare import format_table, run_compare
+    from .harness.compare import format_paired, format_table, run_compare
     from .harness.launch import in_torchrun
     from .harness.strategies import parse_strategy
 
+    if args.from_files is not None:
+        return _compare_from_files(args)
     config = _make_config(args, args.parser)
     for text in args.strategies:
         try:
             parse_strategy(text)
         except ValueError as exc:
             args.parser.error(f"argument --strategies: {exc}")
+    _check_baseline(args, args.strategies, "--strategies")
     if args.seeds < 1:
         args.parser.error(f"argument --seeds: must be an int >= 1, got {args.seeds}")
-    results = run_compare(config, args.strategies, args.seeds, args.workers, args.out)
+    results = run_compare(
+        config, args.strategies, args.seeds, args.workers, args.out, baseline=args.baseline
+    )
     if in_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     print(format_table(results))
+    if args.baseline is not None:
+        print("\n" + format_paired(results))
     written = [Path(args.out) / "results.json"]
     if not args.no_plots:
         from .harness.plots import plot_all
@@ -514,7 +551,19 @@ def _add_train_and_compare(sub: Any) -> None:
         f"results.json and PNG plots to --out. Strategies: {forms}.",
     )
     _config_arguments(compare)
-    compare.add_argument("--strategies", nargs="+", required=True, help="space-separated")
+    source = compare.add_mutually_exclusive_group(required=True)
+    source.add_argument("--strategies", nargs="+", help="space-separated")
+    source.add_argument(
+        "--from", dest="from_files", nargs="+", metavar="RESULTS_JSON", default=None,
+        help="no training: print the tables of these results.json files, merged (runs of "
+        "the same settings, each strategy and seed once)",
+    )  # fmt: skip
+    compare.add_argument(
+        "--baseline", default=None, metavar="STRATEGY",
+        help="also print each strategy's final test metric minus this one's, paired by seed, "
+        "with a 95%% Student-t interval, and the data ratio (baseline's data / this); "
+        "stored in results.json under 'paired' (default: none)",
+    )  # fmt: skip
     compare.add_argument("--seeds", type=int, default=1, help="seeds per strategy (default 1)")
     compare.add_argument("--out", default="runs/compare", help="output directory")
     compare.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -7,11 +7,14 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._validate import check_choice
 from ..compress import compressor_class
 from .launch import run_distributed
+from .paired import data_sent, final_metric, merge_results, summarize_paired
 from .strategies import parse_strategy
 from .train import RunResult, TrainConfig, run_many
 
@@ -38,15 +41,25 @@ def _worker(rank: int, world: int, local_rank: int, configs: list[TrainConfig]) 
 
 
 def run_compare(
-    base: TrainConfig, strategies: list[str], seeds: int, workers: int, out: str | Path
+    base: TrainConfig,
+    strategies: list[str],
+    seeds: int,
+    workers: int,
+    out: str | Path,
+    baseline: str | None = None,
 ) -> dict[str, Any]:
     """Run every strategy with seeds ``0 .. seeds-1`` and write ``out/results.json``.
 
     Each run logs under ``out/runs/<strategy>/seed<k>/``. Returns the results dict
-    (``config``, ``runs``, ``table``).
+    (``config``, ``runs``, ``table``; with ``baseline``, one of ``strategies``, also
+    ``paired``: see :func:`add_paired`). Each run keeps its ``seed`` and per-epoch
+    ``epochs`` records; :func:`~accordion.harness.paired.final_by_seed` reads back the
+    final metric per strategy and seed.
     """
     for text in strategies:
         parse_strategy(text)  # fail before starting any process
+    if baseline is not None:
+        check_choice("baseline", baseline, list(strategies))
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     out = Path(out)
@@ -71,6 +84,8 @@ def run_compare(
         "runs": runs,
     }  # fmt: skip
     results["table"] = summary_table(results)
+    if baseline is not None:
+        add_paired(results, baseline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
@@ -111,13 +126,13 @@ def summary_table(results: dict[str, Any]) -> list[dict[str, Any]]:
         by_strategy.setdefault(run["strategy"], []).append(run)
     rows: dict[str, dict[str, Any]] = {}
     for strategy, runs in by_strategy.items():
-        finals = [r["epochs"][-1]["test_metric"] for r in runs]
+        finals = [final_metric(r) for r in runs]
         rows[strategy] = {
             "strategy": strategy,
             "seeds": len(runs),
             "metric_mean": statistics.fmean(finals),
             "metric_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "floats": statistics.fmean(r["epochs"][-1]["floats"] for r in runs),
+            "floats": statistics.fmean(data_sent(r) for r in runs),
             "bytes": statistics.fmean(r["epochs"][-1]["bytes"] for r in runs),
             "time_s": statistics.fmean(r["epochs"][-1]["train_time_s"] for r in runs),
         }
@@ -153,11 +168,7 @@ def format_table(results: dict[str, Any]) -> str:
             f"{row['time_s']:.1f}",
             "-" if speed is None else f"{speed:.2f}x",
         ))  # fmt: skip
-    widths = [max(len(r[i]) for r in (header, *lines)) for i in range(len(header))]
-    out = []
-    for cells in (header, *lines):
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths))))  # fmt: skip
+    out = _text_table(header, lines)
     config = results["config"]
     out.append(
         f"{config['task']}, {config['workers']} workers, {config['seeds']} seed(s), "
@@ -167,4 +178,81 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-__all__ = ["RunResult", "format_table", "run_compare", "slug", "summary_table"]
+def _text_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> list[str]:
+    """Aligned rows: the first column left-aligned, the figures right-aligned."""
+    widths = [max(len(r[i]) for r in (header, *lines)) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(cells, widths)))
+            for cells in (header, *lines)]  # fmt: skip
+
+
+def add_paired(results: dict[str, Any], baseline: str, confidence: float = 0.95) -> dict:
+    """Store the paired comparison with ``baseline`` in ``results["paired"]`` and return
+    it: ``{"baseline", "confidence", "metric", "rows"}``, the rows of
+    :func:`~accordion.harness.paired.summarize_paired` (differences ``strategy -
+    baseline`` in final test metric, paired by seed)."""
+    rows = summarize_paired(results, baseline, confidence)
+    metric = results.get("config", {}).get("metric", "accuracy")
+    results["paired"] = {"baseline": baseline, "confidence": confidence, "metric": metric,
+                         "rows": rows}  # fmt: skip
+    return results["paired"]
+
+
+def _interval(row: dict[str, Any]) -> str:
+    if row["mean"] is None:
+        return "-"
+    if row["low"] is None:
+        return f"{row['mean']:+.2f} [no interval: 1 seed]"
+    return f"{row['mean']:+.2f} [{row['low']:+.2f}, {row['high']:+.2f}]"
+
+
+def format_paired(results: dict[str, Any]) -> str:
+    """The paired table of ``results["paired"]`` (see :func:`add_paired`) as text."""
+    paired = results["paired"]
+    metric, baseline = paired["metric"], paired["baseline"]
+    unit = " pp" if metric == "accuracy" else ""
+    level = f"{paired['confidence']:.0%}"
+    header = ("strategy", f"test {metric} - baseline{unit.replace(' pp', ' (pp)')} "
+              f"[{level} CI]", "paired seeds", "data ratio")  # fmt: skip
+    lines = [(
+        row["strategy"],
+        _interval(row),
+        str(row["n"]),
+        "-" if row["data_ratio"] is None else f"{row['data_ratio']:.2f}x",
+    ) for row in paired["rows"]]  # fmt: skip
+    out = _text_table(header, lines)
+    out.append(
+        f"paired with baseline {baseline} by seed (seeds both ran); difference = this - "
+        f"baseline in final test {metric}{unit}, mean with a Student-t {level} interval; "
+        "data ratio = baseline's data sent / this (above 1: this sends less)"
+    )
+    return "\n".join(out)
+
+
+def load_results(paths: Sequence[str | Path], baseline: str | None = None) -> dict[str, Any]:
+    """Read and merge ``results.json`` files (:func:`~accordion.harness.paired.merge_results`)
+    without training: the merged ``config`` and ``runs``, a fresh ``table``, and with
+    ``baseline`` (one of their strategies) the ``paired`` comparison."""
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a results.json (not JSON: {exc})") from None
+    results = merge_results(loaded)
+    results["table"] = summary_table(results)
+    if baseline is not None:
+        add_paired(results, baseline)
+    return results
+
+
+__all__ = [
+    "RunResult",
+    "add_paired",
+    "format_paired",
+    "format_table",
+    "load_results",
+    "run_compare",
+    "slug",
+    "summary_table",
+]

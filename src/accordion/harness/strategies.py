@@ -18,6 +18,11 @@ A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:a
 turns the cost model on: before training the hook measures the link and the cost of
 compressing each tensor, and sends dense those for which compression does not pay.
 
+An Accordion strategy may also name its rule and its check interval (epochs), in any
+order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
+:data:`accordion.policy.RULES`; without a name the library's default rule, without
+``every=N`` the run's ``--interval``).
+
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
 ``static-batch:B``                  global batch B throughout
@@ -35,13 +40,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compress import Compressor, compressing_names, compressor_class
-from ..policy import Ladder
+from ..policy import RULES, Ladder
 
 FORMATS = (
     "dense",
     "static:COMPRESSOR:LEVEL",
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
+    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N]",
     "torch-powersgd:R",
     "static-batch:B",
     "batch:SMALL,LARGE",
@@ -77,6 +83,8 @@ class Strategy:
     batch_small: int | None = None  # global batch sizes
     batch_large: int | None = None
     auto: bool = False  # the cost model sends dense what compression cannot pay for
+    rule: str | None = None  # Accordion's rule by name (None: the library's default)
+    interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
 
     @property
     def mild(self) -> Any:
@@ -179,9 +187,8 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if len(parts) == 2 and parts[0] == "torch-powersgd":
         rank = _level(compressor_class(TORCH_POWERSGD), parts[1], text)
         return Strategy(text, "torch-powersgd", TORCH_POWERSGD, (rank,))
-    auto = len(parts) == 4 and parts[3] == "auto"
-    if auto:
-        parts = parts[:3]
+    options = _options(parts[3:], text)
+    parts = parts[:3]
     if len(parts) != 3 or parts[0] not in ("static", "accordion"):
         raise _malformed(whole)
     family, compressor, levels = parts
@@ -195,7 +202,27 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if family == "static":
         if len(items) != 1:
             raise _malformed(whole)
-        return Strategy(text, "static", compressor, (_level(cls, items[0], text),), auto=auto)
+        if set(options) - {"auto"}:
+            raise ValueError(f"strategy {text!r}: a rule or interval needs an accordion strategy")
+        return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
     if len(items) < 2:
         raise _malformed(whole)
-    return Strategy(text, "accordion", compressor, _ladder(cls, items, text), auto=auto)
+    return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
+
+
+def _options(items: list[str], whole: str) -> dict[str, Any]:
+    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, each at most once."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key = "auto" if item == "auto" else "rule" if item in RULES else "interval"
+        if key == "interval":
+            name, _, value = item.partition("=")
+            if name != "every" or not value.isdigit() or int(value) < 1:
+                raise ValueError(
+                    f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
+                    f"({', '.join(RULES)}) or every=N (N >= 1 epochs)"
+                )
+        if key in options:
+            raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
+        options[key] = True if key == "auto" else item if key == "rule" else int(value)
+    return options

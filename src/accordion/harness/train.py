@@ -31,6 +31,7 @@ from ..compress import PowerSGD, compressor_class
 from ..compress.powersgd import matrix_shape, powersgd_rank
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
+from ..policy import make_rule
 from .data import (
     ClassificationData,
     LanguageData,
@@ -45,6 +46,8 @@ TORCH_POWERSGD_START_ITER = 2  # the smallest DDP allows with error feedback
 TORCH_POWERSGD_MIN_COMPRESSION_RATE = 2.0  # PyTorch's default
 #: How the learning rate follows the batch size (``TrainConfig.lr_scaling``).
 LR_SCALINGS = ("linear", "sqrt")
+#: The learning-rate schedules after warm-up (``TrainConfig.schedule``).
+SCHEDULES = ("step", "cosine")
 
 
 @dataclass
@@ -52,8 +55,10 @@ class TrainConfig:
     """Settings of one run. Learning rates are per optimizer step of the global batch.
 
     The schedule: linear warm-up from ``warmup_start_lr`` to ``lr`` over
-    ``warmup_epochs`` (per step), then ``lr`` multiplied by ``decay_factor`` at each of
-    ``decay_epochs``.
+    ``warmup_epochs`` (per step), then by ``schedule``: ``"step"``, ``lr`` multiplied by
+    ``decay_factor`` at each of ``decay_epochs``; ``"cosine"``, a half cosine from ``lr``
+    at the end of warm-up to ``min_lr_factor * lr`` at the end of training (``epochs``),
+    ignoring ``decay_epochs``. See :meth:`lr_at`.
     """
 
     task: str = "mnist1d"
@@ -67,6 +72,8 @@ class TrainConfig:
     warmup_start_lr: float | None = None  # default lr / 10
     decay_epochs: tuple[int, ...] = (30, 45)
     decay_factor: float = 0.1
+    schedule: str = "step"  # after warm-up: "step" (decay_epochs) or "cosine"
+    min_lr_factor: float = 0.0  # cosine: the final lr as a fraction of lr, in [0, 1]
     momentum: float = 0.9
     weight_decay: float = 1e-4
     interval: int = 10
@@ -100,6 +107,8 @@ class TrainConfig:
             check_int(f"decay_epochs[{i}]", epoch, 0)
         check_choice("on_rank_change", self.on_rank_change, (None, *PowerSGD.RANK_CHANGE_POLICIES))
         check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_number("min_lr_factor", self.min_lr_factor, minimum=0, maximum=1)
         for name in ("batch_switch_epoch", "batch_warmup_steps"):
             check_int(name, getattr(self, name), 0)
         if self.clip is not None:
@@ -113,10 +122,20 @@ class TrainConfig:
 
     def lr_at(self, epoch: float) -> float:
         """Learning rate at fractional epoch ``epoch`` (step ``s`` of epoch ``e`` is
-        ``e + s / steps_per_epoch``)."""
+        ``e + s / steps_per_epoch``).
+
+        After warm-up, ``"step"``: ``lr * decay_factor ** (decays reached by
+        floor(epoch))``; ``"cosine"``: ``lr * (m + (1 - m) * (1 + cos(pi t)) / 2)`` with
+        ``m = min_lr_factor`` and ``t`` going from 0 at ``warmup_epochs`` to 1 at
+        ``epochs`` (held at 1 beyond)."""
         if epoch < self.warmup_epochs:
             start = self.lr / 10 if self.warmup_start_lr is None else self.warmup_start_lr
             return start + (self.lr - start) * epoch / self.warmup_epochs
+        if self.schedule == "cosine":
+            span = self.epochs - self.warmup_epochs
+            t = min(1.0, (epoch - self.warmup_epochs) / span) if span > 0 else 1.0
+            m = self.min_lr_factor
+            return self.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * t)))
         decays = sum(1 for d in self.decay_epochs if math.floor(epoch) >= d)
         return self.lr * self.decay_factor**decays
 
@@ -231,12 +250,13 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             ladder: dict[str, Any] = {"levels": strategy.levels}
         else:  # static: one level, mild == aggressive
             ladder = {"mild": strategy.mild, "aggressive": strategy.aggressive}
+        rule = make_rule(strategy.rule, config.eta) if strategy.rule else None
         state = AccordionState(
             model,
             compressor=strategy.compressor,
             **ladder,
-            interval=config.interval,
-            eta=config.eta,
+            interval=strategy.interval or config.interval,
+            **({"rule": rule} if rule else {"eta": config.eta}),
             statistic=config.statistic,
             seed=config.seed,
             **({"on_rank_change": config.on_rank_change} if config.on_rank_change else {}),
