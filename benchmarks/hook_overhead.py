@@ -38,6 +38,7 @@ from accordion.calibration import measure_step_compute
 from accordion.compress import PowerSGD, Reducer, SimulatedTransport
 from accordion.ddp import AccordionState, accordion_hook
 from accordion.models import get_model
+from accordion.policy import GuardedRule
 
 RANKS = (1, 2, 4)
 # torch 2.13's batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which asserts
@@ -55,6 +56,7 @@ def configurations() -> list[tuple[str, str, int | None]]:
         if BATCHED_WORKS:
             configs.append((f"torch batched_powerSGD_hook r{rank}", "torch-batched", rank))
     configs.append(("accordion adaptive 4,1", "adaptive", 4))
+    configs.append(("accordion guarded 4,2,1", "guarded", 4))
     configs.append(("accordion auto r4 (cost model)", "auto", 4))
     return configs
 
@@ -84,6 +86,10 @@ def attach(kind: str, rank: int | None, net: nn.Module, model: DDP, step) -> Non
     elif kind == "adaptive":
         # no epoch ends within the run: rank 4 plus the check epoch's accumulation
         state = AccordionState(net, "powersgd", 4, 1, interval=1, eta=1e-3)
+        model.register_comm_hook(state, accordion_hook)
+    elif kind == "guarded":
+        # the guarded rule checks every epoch, so it gathers its statistic at every step
+        state = AccordionState(net, "powersgd", levels=(4, 2, 1), interval=1, rule=GuardedRule())
         model.register_comm_hook(state, accordion_hook)
 
 

@@ -29,32 +29,41 @@ def _drive(rule, norms, decayed=()):
     return out
 
 
+def _open() -> GuardedRule:
+    """A guarded rule with the whole ladder open from the start."""
+    return GuardedRule(wait_for_decay=False)
+
+
 def test_calm_checks_descend_the_ladder_one_rung_at_a_time():
-    assert _drive(GuardedRule(), [1.0, 1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 2, 2]
+    assert _drive(_open(), [1.0, 1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 2, 2]
+
+
+def test_the_last_rung_waits_for_the_first_decay():
+    assert _drive(GuardedRule(), [1.0] * 6, decayed={3}) == [0, 1, 1, 2, 2, 2]
 
 
 def test_a_norm_that_grows_right_after_a_descent_steps_back_and_blocks_that_rung():
     # descend to rung 2 at check 2, then the norm jumps by 80%: back to rung 1, and calm
     # checks afterwards keep it there
-    assert _drive(GuardedRule(), [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 1.8]) == [0, 1, 2, 1, 1, 1, 1]
+    assert _drive(_open(), [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 1.8]) == [0, 1, 2, 1, 1, 1, 1]
 
 
 def test_a_decay_lifts_the_block_and_the_layer_descends_again():
     norms = [1.0, 1.0, 1.0, 1.8, 1.8, 0.5, 0.5, 0.5]
-    assert _drive(GuardedRule(), norms, decayed={5}) == [0, 1, 2, 1, 1, 0, 1, 2]
+    assert _drive(_open(), norms, decayed={5}) == [0, 1, 2, 1, 1, 0, 1, 2]
 
 
 def test_a_norm_that_falls_after_a_descent_moves_up_one_rung_without_a_block():
-    assert _drive(GuardedRule(), [1.0, 1.0, 1.0, 0.4, 0.4, 0.4]) == [0, 1, 2, 1, 2, 2]
+    assert _drive(_open(), [1.0, 1.0, 1.0, 0.4, 0.4, 0.4]) == [0, 1, 2, 1, 2, 2]
 
 
 def test_a_growing_norm_without_a_descent_before_it_moves_up_one_rung_without_a_block():
     # at rung 2 for two checks (no probation), then a jump: one rung up, and back down
-    assert _drive(GuardedRule(), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]) == [0, 1, 2, 2, 1, 2, 2]
+    assert _drive(_open(), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]) == [0, 1, 2, 2, 1, 2, 2]
 
 
 def test_the_guarded_rule_records_relapses_in_its_history():
-    rule = GuardedRule()
+    rule = _open()
     _drive(rule, [1.0, 1.0, 1.0, 1.8])
     layer = rule.history[-1]["layers"]["w"]
     assert layer["relapse"] is True and layer["limit"] == 1 and layer["rung"] == 1
@@ -65,7 +74,7 @@ def test_a_guarded_rule_loaded_from_its_state_decides_as_the_original():
     rng = random.Random(3)
     script = [rng.choice([1.0, 1.2, 2.0, 0.4]) for _ in range(30)]
     original = GuardedRule()
-    first = _drive(original, script[:12])
+    first = _drive(original, script[:12], decayed={4})
     copy = GuardedRule()
     copy.load_state_dict(original.state_dict())
     rungs = {"w": first[-1]}
@@ -97,7 +106,7 @@ def test_a_malformed_guarded_state_is_a_value_error_and_changes_nothing():
     ("kwargs", "error"),
     [({"eta": 0}, ValueError), ({"eta": "0.5"}, TypeError), ({"decay_drop": 1.0}, ValueError),
      ({"decay_drop": 0}, ValueError), ({"decay_drop": True}, TypeError),
-     ({"decay_drop": math.nan}, ValueError)],
+     ({"decay_drop": math.nan}, ValueError), ({"wait_for_decay": 1}, TypeError)],
 )  # fmt: skip
 def test_bad_guarded_rule_arguments_are_clear_errors(kwargs, error):
     name = next(iter(kwargs))

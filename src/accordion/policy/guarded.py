@@ -3,21 +3,22 @@
 The paper's rule jumps from the mildest level to the most aggressive one as soon as a
 layer's gradient norm settles, and finds out ``interval`` epochs later whether that was
 safe. On MNIST-1D a PowerSGD switch from rank 4 to rank 1 at the peak learning rate
-makes the error-feedback memory grow about 5x and the layer's gradient norm jump by
-60-80% within one epoch, while a switch to rank 2 leaves both close to where they were
+makes the workers' average error-feedback memory grow about 5x and the layer's gradient
+norm jump by 60-80% within one epoch, while a switch to rank 2 leaves both close to
+where they were, and the same switch to rank 1 after the first decay does no harm
 (``benchmarks/switch_transient``, ``docs/design.md``). So this rule:
 
 * descends **one rung** per check while a layer's norm is calm (the paper's test with
-  ``eta``);
+  ``eta``), and moves it **up one rung** when the norm changes by ``eta`` or more;
+* keeps the **last rung for after the first decay** (``wait_for_decay``): before it, the
+  learning rate is at its peak and the most aggressive level is what hurts;
 * treats a layer whose norm grows by ``eta`` or more right after a descent as a
   **relapse**: it goes back up one rung, and that rung stays out of reach until the next
-  learning-rate decay (the rung was too aggressive at this learning rate);
-* moves a layer that turns critical otherwise **up one rung**, not straight to the top;
-* puts every layer back on the mildest rung after a **decay**, and compares norms only
-  within one learning-rate regime from then on; it counts a decay only when the
-  learning rate falls to ``decay_drop`` times (or less) the rate of the previous decay or
-  the peak since: a cosine or linear schedule, whose rate falls a little every epoch, is
-  not in a critical regime at every check.
+  decay (it was too aggressive at this learning rate);
+* counts a **decay** only when the learning rate falls to ``decay_drop`` times (or less)
+  the rate at the previous decay or the peak since: a cosine or linear schedule, whose
+  rate falls a little every epoch, is not in a critical regime at every check. A decay
+  lifts the blocks; the norm test then sees the regime change as it happens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from .._validate import check_bool
 from .ladder import Ladder
 from .rules import Observation, Rule, check_eta
 
@@ -49,49 +51,61 @@ def check_decay_drop(decay_drop: Any) -> float:
 
 
 class GuardedRule(Rule):
-    """Descend the ladder one rung per calm check; step back one rung, and keep off the
-    rung that failed, when a layer's gradient norm jumps after a descent.
+    """Descend the ladder one rung per calm check, keep the last rung for after the first
+    learning-rate decay, and step back one rung (keeping off the rung that failed) when a
+    layer's gradient norm grows right after a descent.
 
     Args:
         eta: threshold on the relative change of a layer's gradient norm between two
             checks (dimensionless, as the paper's ``eta``; default 0.5).
         decay_drop: a learning-rate decay is a fall to ``decay_drop`` times the rate at
             the previous decay (or the peak since) or less (a ratio in (0, 1), default 0.5).
+        wait_for_decay: keep every layer off the last rung until the first decay (default
+            True); with False the whole ladder is open from the start.
 
     ``history`` holds one record per check::
 
-        {"epoch": int, "lr_will_decay": bool,
+        {"epoch": int, "lr_will_decay": bool, "decayed": bool,
          "layers": {name: {"old_norm", "new_norm", "ratio", "critical", "rung", "limit",
                            "relapse"}}}
     """
 
     name = "guarded"
 
-    def __init__(self, eta: float = 0.5, decay_drop: float = DEFAULT_DECAY_DROP):
+    def __init__(
+        self, eta: float = 0.5, decay_drop: float = DEFAULT_DECAY_DROP, wait_for_decay: bool = True
+    ):
         super().__init__()
         self.eta = check_eta(eta)
         self.decay_drop = check_decay_drop(decay_drop)
+        self.wait_for_decay = check_bool("wait_for_decay", wait_for_decay)
         #: Norms remembered at the last check.
         self.norms: dict[str, float] = {}
-        #: Per layer, the most aggressive rung allowed until the next decay.
+        #: Per layer, the most aggressive rung allowed until the next decay (relapses).
         self.limits: dict[str, int] = {}
-        #: Layers that descended at the last check (a jump now is a relapse).
+        #: Layers that descended at the last check (a growth now is a relapse).
         self.probation: set[str] = set()
+        #: Learning-rate decays seen so far.
+        self.decays = 0
 
     def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
-        if observation.decayed:  # a new regime: norms from before it say nothing now
+        if observation.decayed:  # a new regime: what failed before may work now
             self.limits.clear()
             self.probation.clear()
-            self.norms.clear()
+            self.decays += 1
         rungs, layers = {}, {}
         for name, new in observation.grad_norms.items():
             rungs[name], layers[name] = self._layer(name, new, observation, ladder)
         self.norms = dict(observation.grad_norms)
         self.history.append(
             {"epoch": observation.index, "lr_will_decay": observation.lr_will_decay,
-             "layers": layers}
+             "decayed": observation.decayed, "layers": layers}
         )  # fmt: skip
         return rungs
+
+    def _floor(self, ladder: Ladder) -> int:
+        """The most aggressive rung any layer may take now."""
+        return ladder.top - 1 if self.wait_for_decay and self.decays == 0 else ladder.top
 
     def _layer(
         self, name: str, new: float, observation: Observation, ladder: Ladder
@@ -100,9 +114,9 @@ class GuardedRule(Rule):
         old = self.norms.get(name)
         ratio = None if old is None or old == 0 else abs(old - new) / old
         current = observation.rungs.get(name, 0)
-        limit = self.limits.get(name, ladder.top)
+        limit = min(self.limits.get(name, ladder.top), self._floor(ladder))
         relapse = False
-        if ratio is None:  # the first check, or the first after a decay
+        if ratio is None:  # the first check: nothing to compare
             rung = 0
         elif ratio >= self.eta:
             # compression falling behind shows as a norm that grows, right after a descent
@@ -112,6 +126,7 @@ class GuardedRule(Rule):
             rung = max(current - 1, 0)
         else:
             rung = min(current + 1, limit)
+        rung = min(rung, limit)
         if rung > current:
             self.probation.add(name)
         else:
@@ -121,13 +136,15 @@ class GuardedRule(Rule):
         return rung, record
 
     def config(self) -> dict[str, Any]:
-        return {"eta": self.eta, "decay_drop": self.decay_drop}
+        return {"eta": self.eta, "decay_drop": self.decay_drop,
+                "wait_for_decay": self.wait_for_decay}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "norms": dict(self.norms),
             "limits": dict(self.limits),
             "probation": sorted(self.probation),
+            "decays": self.decays,
             "history": copy.deepcopy(self.history),
         }
 
@@ -136,16 +153,17 @@ class GuardedRule(Rule):
             norms = {str(k): float(v) for k, v in state["norms"].items()}
             limits = {str(k): _rung(v) for k, v in state["limits"].items()}
             probation = {str(k) for k in state["probation"]}
+            decays = _rung(state["decays"])
         except (KeyError, TypeError, AttributeError, ValueError):
             raise ValueError(
                 "state must come from GuardedRule.state_dict() "
-                "(keys 'norms', 'limits', 'probation', 'history')"
+                "(keys 'norms', 'limits', 'probation', 'decays', 'history')"
             ) from None
         super().load_state_dict(state)
-        self.norms, self.limits, self.probation = norms, limits, probation
+        self.norms, self.limits, self.probation, self.decays = norms, limits, probation, decays
 
 
 def _rung(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a rung must be an int >= 0, got {value!r}")
+        raise ValueError(f"expected an int >= 0, got {value!r}")
     return value
