@@ -162,8 +162,9 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _epochs(state, net, lrs, gen, steps=2):
-    """Train ``len(lrs)`` epochs through ``reduce_gradients``; the rungs after each."""
+def _epochs(state, net, lrs, gen, steps=2, then=None):
+    """Train ``len(lrs)`` epochs through ``reduce_gradients`` (``then``: the rate after
+    the last one, default the last one's); the rungs after each."""
     optimizer = torch.optim.SGD(net.parameters(), lr=lrs[0])
     out = []
     for epoch, lr in enumerate(lrs):
@@ -174,7 +175,7 @@ def _epochs(state, net, lrs, gen, steps=2):
             net(torch.randn(8, 12, generator=gen)).pow(2).mean().backward()
             state.reduce_gradients()
             optimizer.step()
-        next_lr = lrs[epoch + 1] if epoch + 1 < len(lrs) else lr
+        next_lr = lrs[epoch + 1] if epoch + 1 < len(lrs) else (then or lr)
         state.end_epoch(next_lr=next_lr)
         out.append(state.rungs())
     return out
@@ -192,18 +193,22 @@ def test_under_a_cosine_schedule_the_guarded_rule_compresses_where_the_paper_rul
     assert sum(r == LADDER.top for step in rungs["guarded"] for r in step.values()) > 10
 
 
-def test_a_guarded_state_resumes_exactly_from_its_state_dict():
-    lrs = [0.1] * 4 + [0.01] * 4
+@pytest.mark.parametrize("interval", [1, 2])
+def test_a_guarded_state_resumes_exactly_from_its_state_dict(interval):
+    lrs = [0.1] * 4 + [0.01] * 4  # the decay comes after epoch 3: between checks at interval 2
     net = _mlp()
-    state = AccordionState(net, "powersgd", levels=(4, 2, 1), interval=1, rule=GuardedRule())
+    state = AccordionState(net, "powersgd", levels=(4, 2, 1), interval=interval,
+                           rule=GuardedRule())  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    _epochs(state, net, lrs[:4], gen)
+    _epochs(state, net, lrs[:4], gen, then=lrs[4])
     saved = state.state_dict()
+    assert saved["decayed"] is (interval == 2) and saved["decay_reference"] == 0.01
     weights = {k: v.clone() for k, v in net.state_dict().items()}
     after = _epochs(state, net, lrs[4:], gen.manual_seed(1))
     net2 = _mlp()
     net2.load_state_dict(weights)
-    resumed = AccordionState(net2, "powersgd", levels=(4, 2, 1), interval=1, rule=GuardedRule())
+    resumed = AccordionState(net2, "powersgd", levels=(4, 2, 1), interval=interval,
+                             rule=GuardedRule())  # fmt: skip
     resumed.load_state_dict(saved)
     assert _epochs(resumed, net2, lrs[4:], gen.manual_seed(1)) == after
     assert resumed.rule.state_dict() == state.rule.state_dict()
