@@ -12,6 +12,7 @@ from accordion.cli import main
 from accordion.harness import compare
 from accordion.harness.compare import add_paired, format_paired, load_results, run_compare
 from accordion.harness.paired import (
+    check_baselines,
     final_by_seed,
     merge_results,
     paired_difference,
@@ -166,6 +167,129 @@ def test_format_paired_prints_the_signed_mean_and_interval_per_strategy():
     assert f"{OTHER}  " in text and "2.00x" in text and "(pp)" in text
 
 
+# ------------------------------------------------------------------- several baselines
+
+TOPK_BASE, TOPK = "static:topk:0.1", "accordion:topk:0.1,0.01"
+PSGD_BASE, PSGD = "static:powersgd:4", "accordion:powersgd:4,1"
+
+
+def _two_families() -> dict:
+    """Dense, two top-k and two PowerSGD strategies over seeds 0-2; each strategy's
+    accuracy is its own offset plus the seed, its data fixed per strategy."""
+    offset = {BASE: 0.0, TOPK_BASE: -1.0, PSGD_BASE: -2.0, TOPK: -1.5, PSGD: -2.25,
+              "torch-powersgd:2": -3.0}  # fmt: skip
+    floats = {BASE: 1000, TOPK_BASE: 100, PSGD_BASE: 50, TOPK: 25, PSGD: 10,
+              "torch-powersgd:2": 40}  # fmt: skip
+    order = [BASE, TOPK_BASE, TOPK, PSGD_BASE, PSGD, "torch-powersgd:2"]
+    return _results([_run(s, seed, 80.0 + seed + offset[s], floats[s])
+                     for s in order for seed in range(3)])  # fmt: skip
+
+
+def test_each_strategy_is_paired_with_the_baseline_of_its_compressor():
+    rows = {r["strategy"]: r for r in summarize_paired(_two_families(), [TOPK_BASE, PSGD_BASE])}
+    assert rows[TOPK]["baseline"] == TOPK_BASE
+    assert rows[TOPK]["mean"] == pytest.approx(-0.5) and rows[TOPK]["n"] == 3
+    assert rows[TOPK]["data_ratio"] == pytest.approx(4.0)  # 100 / 25
+    assert rows[PSGD]["baseline"] == PSGD_BASE
+    assert rows[PSGD]["mean"] == pytest.approx(-0.25)
+    assert rows[PSGD]["data_ratio"] == pytest.approx(5.0)  # 50 / 10
+    assert rows[PSGD]["baseline_values"] == [78.0, 79.0, 80.0]
+    # PyTorch's own hook compresses with PowerSGD too
+    assert rows["torch-powersgd:2"]["baseline"] == PSGD_BASE
+    assert rows["torch-powersgd:2"]["mean"] == pytest.approx(-1.0)
+
+
+def test_a_strategy_without_a_baseline_of_its_compressor_goes_to_the_first_listed():
+    for first, second in ((TOPK_BASE, PSGD_BASE), (PSGD_BASE, TOPK_BASE)):
+        rows = {r["strategy"]: r for r in summarize_paired(_two_families(), [first, second])}
+        assert rows[BASE]["baseline"] == first  # dense: neither baseline is dense
+
+
+def test_baselines_get_no_row_and_the_rows_follow_the_strategy_order():
+    rows = summarize_paired(_two_families(), (PSGD_BASE, TOPK_BASE, BASE))
+    assert [r["strategy"] for r in rows] == [TOPK, PSGD, "torch-powersgd:2"]
+    assert [r["baseline"] for r in rows] == [TOPK_BASE, PSGD_BASE, PSGD_BASE]
+
+
+def test_one_baseline_in_a_list_is_the_same_as_the_baseline_alone():
+    results = _two_families()
+    assert summarize_paired(results, [BASE]) == summarize_paired(results, BASE)
+    assert all(r["baseline"] == BASE for r in summarize_paired(results, BASE))
+
+
+def test_a_repeated_baseline_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"baselines lists 'static:topk:0.1' twice"):
+        summarize_paired(_two_families(), [TOPK_BASE, PSGD_BASE, TOPK_BASE])
+
+
+def test_an_unknown_baseline_among_several_is_a_value_error_naming_it_and_the_strategies():
+    with pytest.raises(ValueError, match=r"baseline must be one of \('dense', 'static:topk:0.1'"
+                       r".*got 'static:topk:0.5'"):  # fmt: skip
+        summarize_paired(_two_families(), [TOPK_BASE, "static:topk:0.5"])
+
+
+@pytest.mark.parametrize(("baselines", "error", "match"), [
+    (None, TypeError, "baselines must be a str or a sequence of str"),
+    (b"dense", TypeError, "baselines must be a str or a sequence of str"),
+    ({"dense": 1}, TypeError, "baselines must be a str or a sequence of str"),
+    (["dense", 3], TypeError, r"baselines\[1\] must be a str, got 3"),
+    ([], ValueError, "baselines must name at least one strategy"),
+])  # fmt: skip
+def test_baselines_of_the_wrong_type_or_none_at_all_are_rejected_naming_baselines(
+    baselines, error, match
+):
+    with pytest.raises(error, match=match):
+        summarize_paired(_two_families(), baselines)
+
+
+def test_check_baselines_returns_the_baselines_as_a_list():
+    assert check_baselines(BASE, [BASE, OTHER]) == [BASE]
+    assert check_baselines((OTHER, BASE), [BASE, OTHER]) == [OTHER, BASE]
+
+
+def test_add_paired_with_several_baselines_stores_them_and_each_rows_baseline():
+    results = _two_families()
+    paired = add_paired(results, [TOPK_BASE, PSGD_BASE])
+    assert results["paired"] is paired
+    assert set(paired) == {"baselines", "confidence", "metric", "rows"}
+    assert paired["baselines"] == [TOPK_BASE, PSGD_BASE]
+    assert [(r["strategy"], r["baseline"]) for r in paired["rows"]] == [
+        (BASE, TOPK_BASE), (TOPK, TOPK_BASE), (PSGD, PSGD_BASE),
+        ("torch-powersgd:2", PSGD_BASE),
+    ]  # fmt: skip
+
+
+def test_format_paired_with_several_baselines_has_a_baseline_column_and_says_how():
+    results = _two_families()
+    add_paired(results, [TOPK_BASE, PSGD_BASE])
+    lines = format_paired(results).splitlines()
+    assert lines[0].split()[:2] == ["strategy", "baseline"]
+    body = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert list(body) == [BASE, TOPK, PSGD, "torch-powersgd:2"]
+    assert body[TOPK][1] == TOPK_BASE and body[TOPK][-1] == "4.00x"
+    assert body[PSGD][1] == PSGD_BASE and body[PSGD][-1] == "5.00x"
+    assert body[BASE][1] == TOPK_BASE
+    assert TOPK_BASE not in body and PSGD_BASE not in body
+    footer = lines[-1]
+    assert "paired with its baseline (same compressor, else the first)" in footer
+    assert f"baselines {TOPK_BASE}, {PSGD_BASE}" in footer
+
+
+def test_format_paired_with_one_baseline_keeps_todays_table():
+    results = _two_families()
+    add_paired(results, BASE)
+    lines = format_paired(results).splitlines()
+    assert lines[0].split()[:3] == ["strategy", "test", "accuracy"]
+    assert lines[-1].startswith("paired with baseline dense by seed")
+
+
+def test_run_compare_rejects_a_repeated_baseline_before_any_worker(tmp_path, monkeypatch):
+    monkeypatch.setattr(compare, "run_distributed", _no_workers)
+    with pytest.raises(ValueError, match="baselines lists 'dense' twice"):
+        run_compare(TrainConfig(epochs=2), [BASE, OTHER], seeds=1, workers=2, out=tmp_path,
+                    baseline=[BASE, BASE])  # fmt: skip
+
+
 # ------------------------------------------------------------------- merging results files
 
 
@@ -200,7 +324,8 @@ def test_load_results_reads_files_and_adds_the_table_and_paired_rows(tmp_path):
         paths.append(path)
     results = load_results(paths, baseline=BASE)
     assert [row["strategy"] for row in results["table"]] == [BASE, OTHER]
-    assert results["paired"]["baseline"] == BASE
+    assert results["paired"]["baselines"] == [BASE]
+    assert "baseline" not in results["paired"]
     assert results["paired"]["rows"][0]["values"] == [79.0, 80.0]
 
 
@@ -220,7 +345,8 @@ def test_run_compare_with_a_baseline_stores_the_paired_table_in_results_json(tmp
     run_compare(TrainConfig(epochs=2), [BASE, OTHER, THIRD], seeds=3, workers=2,
                 out=tmp_path, baseline=BASE)  # fmt: skip
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["paired"]["baseline"] == BASE
+    assert saved["paired"]["baselines"] == [BASE]
+    assert {row["baseline"] for row in saved["paired"]["rows"]} == {BASE}
     rows = {row["strategy"]: row for row in saved["paired"]["rows"]}
     assert set(rows) == {OTHER, THIRD}
     assert rows[OTHER]["seeds"] == [0, 1, 2] and rows[OTHER]["data_ratio"] == pytest.approx(10)
@@ -259,6 +385,49 @@ def test_compare_from_files_prints_both_tables_without_training(tmp_path, capsys
     out = capsys.readouterr().out
     assert "less than mild" in out and "paired with baseline dense" in out
     assert "-0.75 [" in out and "2.00x" in out
+
+
+def test_compare_from_files_takes_several_baselines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compare, "run_compare", _no_workers)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_two_families()))
+    assert main(["compare", "--from", str(path), "--baseline", TOPK_BASE, PSGD_BASE]) == 0
+    out = capsys.readouterr().out
+    table, paired = out.split("\n\n")  # the paper's table, then the paired one
+    assert "less than mild" in table
+    header, *lines, footer = paired.strip().splitlines()
+    assert header.split()[:2] == ["strategy", "baseline"]
+    rows = {line.split()[0]: line.split()[1] for line in lines}
+    assert rows == {BASE: TOPK_BASE, TOPK: TOPK_BASE, PSGD: PSGD_BASE,
+                    "torch-powersgd:2": PSGD_BASE}  # fmt: skip
+    assert "-0.50 [" in out and "paired with its baseline (same compressor" in footer
+
+
+@pytest.mark.parametrize(("baselines", "message"), [
+    ([TOPK_BASE, TOPK_BASE], "'static:topk:0.1' is given twice"),
+    ([TOPK_BASE, "static:topk:0.5"], "got 'static:topk:0.5'"),
+])  # fmt: skip
+def test_compare_from_files_rejects_a_repeated_or_unknown_baseline(
+    tmp_path, capsys, baselines, message
+):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_two_families()))
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--from", str(path), "--baseline", *baselines])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--baseline" in err and message in err
+
+
+def test_the_cli_rejects_a_second_baseline_outside_the_strategies_before_any_worker(
+    capsys, monkeypatch
+):
+    monkeypatch.setattr(compare, "run_compare", _no_workers)
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--strategies", BASE, OTHER, "--baseline", BASE, "static:topk:0.2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "static:topk:0.2" in err and f"{BASE}, {OTHER}" in err
 
 
 def test_compare_from_files_rejects_a_baseline_they_do_not_hold(tmp_path, capsys):

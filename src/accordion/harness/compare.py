@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._validate import check_choice
 from ..compress import compressor_class
 from .launch import run_distributed
-from .paired import data_sent, final_metric, merge_results, summarize_paired
+from .paired import check_baselines, data_sent, final_metric, merge_results, summarize_paired
 from .strategies import parse_strategy
 from .train import RunResult, TrainConfig, run_many
 
@@ -46,20 +45,21 @@ def run_compare(
     seeds: int,
     workers: int,
     out: str | Path,
-    baseline: str | None = None,
+    baseline: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every strategy with seeds ``0 .. seeds-1`` and write ``out/results.json``.
 
     Each run logs under ``out/runs/<strategy>/seed<k>/``. Returns the results dict
-    (``config``, ``runs``, ``table``; with ``baseline``, one of ``strategies``, also
-    ``paired``: see :func:`add_paired`). Each run keeps its ``seed`` and per-epoch
-    ``epochs`` records; :func:`~accordion.harness.paired.final_by_seed` reads back the
-    final metric per strategy and seed.
+    (``config``, ``runs``, ``table``; with ``baseline``, one of ``strategies`` or a
+    sequence of distinct ones, also ``paired``: see :func:`add_paired`). Each run keeps
+    its ``seed`` and per-epoch ``epochs`` records;
+    :func:`~accordion.harness.paired.final_by_seed` reads back the final metric per
+    strategy and seed.
     """
     for text in strategies:
         parse_strategy(text)  # fail before starting any process
     if baseline is not None:
-        check_choice("baseline", baseline, list(strategies))
+        check_baselines(baseline, list(strategies))
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     out = Path(out)
@@ -178,22 +178,28 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _text_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> list[str]:
-    """Aligned rows: the first column left-aligned, the figures right-aligned."""
+def _text_table(header: Sequence[str], lines: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """Aligned rows: the first ``left`` columns (names) left-aligned, the figures
+    right-aligned."""
     widths = [max(len(r[i]) for r in (header, *lines)) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w)
                       for i, (c, w) in enumerate(zip(cells, widths)))
             for cells in (header, *lines)]  # fmt: skip
 
 
-def add_paired(results: dict[str, Any], baseline: str, confidence: float = 0.95) -> dict:
-    """Store the paired comparison with ``baseline`` in ``results["paired"]`` and return
-    it: ``{"baseline", "confidence", "metric", "rows"}``, the rows of
+def add_paired(
+    results: dict[str, Any], baseline: str | Sequence[str], confidence: float = 0.95
+) -> dict:
+    """Store the paired comparison with ``baseline`` (a strategy, or a sequence of
+    distinct ones) in ``results["paired"]`` and return it: ``{"baselines", "confidence",
+    "metric", "rows"}``, the baselines as a list and the rows of
     :func:`~accordion.harness.paired.summarize_paired` (differences ``strategy -
-    baseline`` in final test metric, paired by seed)."""
+    baseline`` in final test metric, paired by seed; each non-baseline strategy with the
+    baseline of the same compressor, else the first, named in the row's ``baseline``)."""
     rows = summarize_paired(results, baseline, confidence)
+    baselines = [baseline] if isinstance(baseline, str) else list(baseline)
     metric = results.get("config", {}).get("metric", "accuracy")
-    results["paired"] = {"baseline": baseline, "confidence": confidence, "metric": metric,
+    results["paired"] = {"baselines": baselines, "confidence": confidence, "metric": metric,
                          "rows": rows}  # fmt: skip
     return results["paired"]
 
@@ -207,32 +213,50 @@ def _interval(row: dict[str, Any]) -> str:
 
 
 def format_paired(results: dict[str, Any]) -> str:
-    """The paired table of ``results["paired"]`` (see :func:`add_paired`) as text."""
+    """The paired table of ``results["paired"]`` (see :func:`add_paired`) as text: one
+    row per non-baseline strategy, in strategy order; with several baselines a
+    ``baseline`` column names each row's."""
     paired = results["paired"]
-    metric, baseline = paired["metric"], paired["baseline"]
+    metric = paired["metric"]
+    baselines = paired.get("baselines") or [paired["baseline"]]  # older results.json
+    several = len(baselines) > 1
     unit = " pp" if metric == "accuracy" else ""
     level = f"{paired['confidence']:.0%}"
-    header = ("strategy", f"test {metric} - baseline{unit.replace(' pp', ' (pp)')} "
-              f"[{level} CI]", "paired seeds", "data ratio")  # fmt: skip
+    header = ("strategy", *(("baseline",) if several else ()),
+              f"test {metric} - baseline{unit.replace(' pp', ' (pp)')} [{level} CI]",
+              "paired seeds", "data ratio")  # fmt: skip
     lines = [(
         row["strategy"],
+        *((row["baseline"],) if several else ()),
         _interval(row),
         str(row["n"]),
         "-" if row["data_ratio"] is None else f"{row['data_ratio']:.2f}x",
     ) for row in paired["rows"]]  # fmt: skip
-    out = _text_table(header, lines)
+    out = _text_table(header, lines, left=2 if several else 1)
+    if several:
+        paired_with = (
+            "each strategy paired with its baseline (same compressor, else the first) by "
+            f"seed (seeds both ran), baselines {', '.join(baselines)}"
+        )
+        its = "its "
+    else:
+        paired_with = f"paired with baseline {baselines[0]} by seed (seeds both ran)"
+        its = ""
     out.append(
-        f"paired with baseline {baseline} by seed (seeds both ran); difference = this - "
-        f"baseline in final test {metric}{unit}, mean with a Student-t {level} interval; "
-        "data ratio = baseline's data sent / this (above 1: this sends less)"
+        f"{paired_with}; difference = this - {its}baseline in final test {metric}{unit}, "
+        f"mean with a Student-t {level} interval; data ratio = {its}baseline's data sent "
+        "/ this (above 1: this sends less)"
     )
     return "\n".join(out)
 
 
-def load_results(paths: Sequence[str | Path], baseline: str | None = None) -> dict[str, Any]:
+def load_results(
+    paths: Sequence[str | Path], baseline: str | Sequence[str] | None = None
+) -> dict[str, Any]:
     """Read and merge ``results.json`` files (:func:`~accordion.harness.paired.merge_results`)
     without training: the merged ``config`` and ``runs``, a fresh ``table``, and with
-    ``baseline`` (one of their strategies) the ``paired`` comparison."""
+    ``baseline`` (one of their strategies, or a sequence of distinct ones) the ``paired``
+    comparison."""
     loaded = []
     for path in paths:
         try:

@@ -4,9 +4,11 @@ Two strategies trained with the same seed share their initial weights and data o
 the per-seed difference of their final test metric is far less noisy than the difference
 of two independent means. :func:`paired_difference` gives the mean of those differences
 with a Student-t interval; :func:`summarize_paired` builds one row per strategy against a
-baseline from ``results.json`` (one file, or several merged by :func:`merge_results`).
+baseline (with several, the one of the same compressor) from ``results.json`` (one file,
+or several merged by :func:`merge_results`).
 
-No torch here: the tables can be made from saved results on any machine.
+No torch here: the tables can be made from saved results on any machine (several
+baselines import the strategy parser, and with it torch, to match compressors).
 """
 
 from __future__ import annotations
@@ -180,28 +182,77 @@ def _runs(results: Any) -> list[Mapping[str, Any]]:
     return runs
 
 
-def summarize_paired(
-    results: Mapping[str, Any], baseline: str, confidence: float = 0.95
-) -> list[dict[str, Any]]:
-    """One row per strategy other than ``baseline``, paired with it by seed.
+def check_baselines(baselines: Any, allowed: Sequence[str]) -> list[str]:
+    """``baselines`` (a strategy, or a non-empty sequence of distinct ones, each one of
+    ``allowed``) as a list.
 
-    Only seeds run by both count. Each row: ``strategy``, ``baseline``, ``seeds`` (the
-    paired seeds), ``n``, ``mean``, ``low``, ``high``, ``sd`` (of ``strategy - baseline``
-    in final test metric: percentage points of accuracy, or perplexity), ``confidence``,
-    ``values`` and ``baseline_values`` (the final metrics per paired seed) and
-    ``data_ratio``: the baseline's mean data sent over this strategy's on those seeds
-    (above 1: this strategy sends less; ``None`` without seeds or when it sends nothing).
-    Without a shared seed, ``mean``, ``low``, ``high`` and ``sd`` are ``None``.
+    ``TypeError`` naming ``baselines`` unless it is a str or a sequence of str;
+    ``ValueError`` for an empty sequence, a repeated baseline, or one not in ``allowed``
+    (naming it and the allowed strategies).
+    """
+    if isinstance(baselines, str):
+        names = [baselines]
+    elif isinstance(baselines, bytes | Mapping) or not isinstance(baselines, Sequence):
+        raise TypeError(f"baselines must be a str or a sequence of str, got {baselines!r:.80}")
+    else:
+        names = list(baselines)
+        for i, name in enumerate(names):
+            if not isinstance(name, str):
+                raise TypeError(f"baselines[{i}] must be a str, got {name!r:.80}")
+        if not names:
+            raise ValueError("baselines must name at least one strategy, got an empty sequence")
+    for name in names:
+        check_choice("baseline", name, list(allowed))
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"baselines lists {name!r} twice: each baseline may appear once")
+    return names
+
+
+def pair_baselines(strategies: Sequence[str], baselines: Sequence[str]) -> dict[str, str]:
+    """Strategy -> the baseline it is compared with, for each of ``strategies`` that is
+    not a baseline, in their order: the first of ``baselines`` with the same compressor
+    (:func:`~accordion.harness.strategies.parse_strategy`'s ``.compressor``: "dense",
+    "powersgd", "topk", ...), else the first baseline.
+
+    With one baseline no strategy is parsed (nor torch imported): all go to it.
+    """
+    names = list(baselines)
+    others = [s for s in strategies if s not in names]
+    if len(names) == 1:
+        return {s: names[0] for s in others}
+    from .strategies import parse_strategy  # imports torch: only to tell families apart
+
+    by_compressor: dict[str, str] = {}
+    for name in names:
+        by_compressor.setdefault(parse_strategy(name).compressor, name)
+    return {s: by_compressor.get(parse_strategy(s).compressor, names[0]) for s in others}
+
+
+def summarize_paired(
+    results: Mapping[str, Any], baselines: str | Sequence[str], confidence: float = 0.95
+) -> list[dict[str, Any]]:
+    """One row per strategy that is not one of ``baselines``, paired by seed with its
+    baseline (see :func:`pair_baselines`: the first with the same compressor, else the
+    first listed); rows in strategy order, baselines get none.
+
+    ``baselines`` is a strategy or a sequence of distinct ones, each run in ``results``
+    (:func:`check_baselines`). Only seeds run by both count. Each row: ``strategy``,
+    ``baseline``, ``seeds`` (the paired seeds), ``n``, ``mean``, ``low``, ``high``,
+    ``sd`` (of ``strategy - baseline`` in final test metric: percentage points of
+    accuracy, or perplexity), ``confidence``, ``values`` and ``baseline_values`` (the
+    final metrics per paired seed) and ``data_ratio``: the baseline's mean data sent over
+    this strategy's on those seeds (above 1: this strategy sends less; ``None`` without
+    seeds or when it sends nothing). Without a shared seed, ``mean``, ``low``, ``high``
+    and ``sd`` are ``None``.
     """
     by_strategy: dict[str, dict[Any, Mapping[str, Any]]] = {}
     for run in _runs(results):
         by_strategy.setdefault(run["strategy"], {})[run.get("seed", 0)] = run
-    check_choice("baseline", baseline, list(by_strategy))
-    base_runs = by_strategy[baseline]
+    names = check_baselines(baselines, list(by_strategy))
     rows = []
-    for strategy, runs in by_strategy.items():
-        if strategy == baseline:
-            continue
+    for strategy, baseline in pair_baselines(list(by_strategy), names).items():
+        runs, base_runs = by_strategy[strategy], by_strategy[baseline]
         seeds = [s for s in runs if s in base_runs]
         values = [final_metric(runs[s]) for s in seeds]
         base_values = [final_metric(base_runs[s]) for s in seeds]
@@ -255,10 +306,12 @@ def merge_results(many: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 __all__ = [
+    "check_baselines",
     "data_sent",
     "final_by_seed",
     "final_metric",
     "merge_results",
+    "pair_baselines",
     "paired_difference",
     "summarize_paired",
     "t_quantile",
