@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from accordion.ddp import AccordionState
+from accordion.policy import PaperRule
 
 FIXTURE = Path(__file__).parent / "data" / "accordion-format1.pt"
 
@@ -35,7 +36,7 @@ def _resumed(unit: str):
     saved = torch.load(FIXTURE, weights_only=True)[unit]
     net = make_net()
     net.load_state_dict(saved["weights"])
-    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=2, eta=2.0,
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=2, rule=PaperRule(2.0),
                            interval_unit=unit)  # fmt: skip
     state.load_state_dict(saved["checkpoint"])
     end = state.end_epoch if unit == "epoch" else state.end_step
@@ -64,7 +65,9 @@ def test_a_format_1_checkpoint_resumes_with_the_same_error_feedback_memory(unit)
 
 def test_a_format_1_checkpoint_of_another_configuration_is_refused():
     saved = torch.load(FIXTURE, weights_only=True)["epoch"]["checkpoint"]
-    state = AccordionState(make_net(), "powersgd", mild=4, aggressive=1, interval=2, eta=2.0)
+    state = AccordionState(
+        make_net(), "powersgd", mild=4, aggressive=1, interval=2, rule=PaperRule(2.0)
+    )
     with pytest.raises(ValueError, match="levels is \\[2, 1\\]"):
         state.load_state_dict(saved)
 

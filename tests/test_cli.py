@@ -283,9 +283,13 @@ def test_train_and_compare_help_state_the_defaults_of_train_config(monkeypatch) 
     for command in ("train", "compare"):
         text = _help(command)
         for flag, shown in (("epochs", "60"), ("decay_epochs", "30,45"), ("lr", "0.1"),
-                            ("warmup_epochs", "2"), ("interval", "10")):  # fmt: skip
+                            ("warmup_epochs", "2")):  # fmt: skip
             assert fields[flag].default is not None
             assert f"(default {shown})" in text, (command, flag)
+        assert fields["interval"].default is None
+        assert "(default: the rule's, 1 for the guarded rule, 10 for the paper's)" in " ".join(
+            text.split()
+        )
     # one place: a changed field default is what the help says
     monkeypatch.setattr(fields["epochs"], "default", 7)
     assert "epochs (default 7)" in _help("train")

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accordion.ddp import AccordionState, accordion_hook
+from accordion.policy import PaperRule
 from distributed import run_processes
 
 
@@ -142,7 +143,7 @@ def _levels_agree(rank, world_size, out_dir, statistic):
     net = Net()
     model = DDP(net)
     state = AccordionState(
-        net, "powersgd", mild=4, aggressive=1, interval=1, eta=0.3, statistic=statistic
+        net, "powersgd", mild=4, aggressive=1, interval=1, rule=PaperRule(0.3), statistic=statistic
     )
     model.register_comm_hook(state, accordion_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -178,7 +179,7 @@ def _make_adaptive(rank):
     torch.manual_seed(0)
     net = Net()
     model = DDP(net)
-    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, eta=0.3)
+    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, rule=PaperRule(0.3))
     model.register_comm_hook(state, accordion_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return net, model, state, optimizer

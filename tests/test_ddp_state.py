@@ -10,6 +10,7 @@ from torch import nn
 
 from accordion.accounting import paper_floats
 from accordion.ddp import AccordionState
+from accordion.policy import PaperRule
 
 
 def make_net(seed: int = 0) -> nn.Module:
@@ -73,7 +74,7 @@ def test_stats_count_paper_floats_per_step_and_are_json_serialisable():
 
 def test_a_learning_rate_decay_makes_every_layer_mild_until_the_next_check():
     net = make_net()
-    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, eta=10.0)
+    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, rule=PaperRule(10.0))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     for epoch in range(3):
         step(net, state, seed=epoch)
@@ -89,7 +90,7 @@ def test_a_learning_rate_decay_makes_every_layer_mild_until_the_next_check():
 
 def test_an_explicit_next_lr_detects_a_decay_like_the_optimizer_does():
     net = make_net()
-    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, eta=10.0)
+    state = AccordionState(net, "powersgd", mild=4, aggressive=1, interval=2, rule=PaperRule(10.0))
     for epoch, lr in enumerate([0.1, 0.1, 0.1, 0.01]):
         step(net, state, seed=epoch)
         state.end_epoch(next_lr=lr)
@@ -98,7 +99,7 @@ def test_an_explicit_next_lr_detects_a_decay_like_the_optimizer_does():
 
 def test_a_calm_check_switches_layers_to_the_aggressive_level():
     net = make_net()
-    state = AccordionState(net, "topk", mild=0.9, aggressive=0.1, interval=1, eta=10.0)
+    state = AccordionState(net, "topk", mild=0.9, aggressive=0.1, interval=1, rule=PaperRule(10.0))
     step(net, state)
     state.end_epoch(next_lr=0.1)
     assert set(state.levels().values()) == {0.9}  # epoch 0: critical
@@ -109,7 +110,7 @@ def test_a_calm_check_switches_layers_to_the_aggressive_level():
 
 def test_a_sharp_change_of_the_gradient_norm_keeps_a_layer_mild():
     net = make_net()
-    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=1, eta=0.5)
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1, interval=1, rule=PaperRule(0.5))
     step(net, state, scale=1.0)
     state.end_epoch(next_lr=0.1)
     step(net, state, scale=10.0)  # the gradient norm grows ~100x
@@ -121,7 +122,13 @@ def test_a_sharp_change_of_the_gradient_norm_keeps_a_layer_mild():
 def test_step_intervals_decide_at_the_end_of_each_window():
     net = make_net()
     state = AccordionState(
-        net, "powersgd", mild=2, aggressive=1, interval=3, eta=10.0, interval_unit="step"
+        net,
+        "powersgd",
+        mild=2,
+        aggressive=1,
+        interval=3,
+        rule=PaperRule(10.0),
+        interval_unit="step",
     )
     results = []
     for i in range(6):
@@ -134,7 +141,13 @@ def test_step_intervals_decide_at_the_end_of_each_window():
 def test_a_decay_inside_a_step_window_makes_layers_mild_at_once():
     net = make_net()
     state = AccordionState(
-        net, "powersgd", mild=2, aggressive=1, interval=2, eta=10.0, interval_unit="step"
+        net,
+        "powersgd",
+        mild=2,
+        aggressive=1,
+        interval=2,
+        rule=PaperRule(10.0),
+        interval_unit="step",
     )
     for i in range(4):
         step(net, state, seed=i)

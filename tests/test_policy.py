@@ -186,7 +186,7 @@ def test_a_rule_that_is_not_a_rule_is_a_type_error():
 
 
 def test_eta_with_another_rule_is_a_value_error():
-    with pytest.raises(ValueError, match="eta is the paper rule's threshold"):
+    with pytest.raises(ValueError, match="eta is the default rule's threshold"):
         AccordionState(_mlp(), eta=0.3, rule=ClimbEveryK(1))
 
 

@@ -248,7 +248,8 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
          f"(default {d['min_lr_factor']})"),
         ("--momentum", float, f"SGD momentum (default {d['momentum']})"),
         ("--weight-decay", float, f"weight decay (default {d['weight_decay']})"),
-        ("--interval", int, f"Accordion check interval, epochs (default {d['interval']})"),
+        ("--interval", int, "Accordion check interval, epochs (default: the rule's, 1 for "
+         "the guarded rule, 10 for the paper's)"),
         ("--eta", float, f"Accordion threshold (default {d['eta']})"),
         ("--statistic", None, f"rank0 (the paper) or mean (default {d['statistic']})"),
         ("--on-rank-change", None, "PowerSGD Q at a switch: reuse or redraw (default: the hook's)"),
@@ -346,12 +347,18 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _check_baseline(args: argparse.Namespace, strategies: Sequence[str], where: str) -> None:
-    """A usage error (exit 2) unless ``--baseline`` is absent or one of ``strategies``."""
-    if args.baseline is not None and args.baseline not in strategies:
-        args.parser.error(
-            f"argument --baseline: must be one of {where} ({', '.join(strategies)}), "
-            f"got {args.baseline!r}"
-        )
+    """A usage error (exit 2) unless ``--baseline`` is absent or names distinct
+    strategies, each one of ``strategies``."""
+    for i, baseline in enumerate(args.baseline or ()):
+        if baseline not in strategies:
+            args.parser.error(
+                f"argument --baseline: must be one of {where} ({', '.join(strategies)}), "
+                f"got {baseline!r}"
+            )
+        if baseline in args.baseline[:i]:
+            args.parser.error(
+                f"argument --baseline: {baseline!r} is given twice; each baseline may appear once"
+            )
 
 
 def _compare_from_files(args: argparse.Namespace) -> int:
@@ -559,10 +566,12 @@ def _add_train_and_compare(sub: Any) -> None:
         "the same settings, each strategy and seed once)",
     )  # fmt: skip
     compare.add_argument(
-        "--baseline", default=None, metavar="STRATEGY",
-        help="also print each strategy's final test metric minus this one's, paired by seed, "
-        "with a 95%% Student-t interval, and the data ratio (baseline's data / this); "
-        "stored in results.json under 'paired' (default: none)",
+        "--baseline", nargs="+", default=None, metavar="STRATEGY",
+        help="also print each other strategy's final test metric minus its baseline's, "
+        "paired by seed, with a 95%% Student-t interval, and the data ratio (baseline's "
+        "data / this); with several baselines each strategy is paired with the one of the "
+        "same compressor, else the first; stored in results.json under 'paired' "
+        "(default: none)",
     )  # fmt: skip
     compare.add_argument("--seeds", type=int, default=1, help="seeds per strategy (default 1)")
     compare.add_argument("--out", default="runs/compare", help="output directory")

@@ -38,7 +38,7 @@ from .compress import (
 )
 from .compress.transport import private_group
 from .params import ParameterTable
-from .policy import DecayDetector, Ladder, Observation, PaperRule, Rule, Schedule
+from .policy import DecayDetector, GuardedRule, Ladder, Observation, Rule, Schedule
 from .statistics import GradientSums
 
 STATISTICS = ("rank0", "mean")
@@ -56,10 +56,11 @@ class Controller:
             the compressor's (rank 2 / top-k 0.99).
         aggressive: level elsewhere. Default: rank 1 / top-k 0.1. ``mild == aggressive``
             gives a static compressor (and skips the statistic).
-        interval: how often the rule checks, in epochs (``interval_unit="epoch"``, the
-            paper: 10 for CNNs, 5 for the LSTM) or in optimizer steps (``"step"``).
-        eta: the paper rule's threshold on the relative change of a layer's gradient norm
-            (default 0.5); only with the default rule.
+        interval: how often the rule checks, in epochs (``interval_unit="epoch"``) or in
+            optimizer steps (``"step"``). Default: the rule's ``default_interval``, 1 for
+            the guarded rule, 10 for the paper's (which used 10 for CNNs, 5 for the LSTM).
+        eta: the default rule's threshold on the relative change of a layer's gradient
+            norm (default 0.5); only with the default rule.
         statistic: ``"rank0"`` (the paper: rank 0's statistics decide, every rank applies
             the same decision) or ``"mean"`` (statistics averaged over ranks).
         interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
@@ -70,8 +71,9 @@ class Controller:
             ``"redraw"`` (the paper's scripts). Ignored by compressors without it.
         levels: the whole ladder instead of ``mild``/``aggressive``: two or more levels,
             mildest first, e.g. ``(4, 2, 1)``.
-        rule: the :class:`~accordion.policy.Rule` that decides the rungs (default:
-            ``PaperRule(eta)``).
+        rule: the :class:`~accordion.policy.Rule` that decides the rungs. Default:
+            ``GuardedRule(eta)``, which walks the ladder one rung at a time (see
+            ``docs/hook.md``); ``rule=PaperRule()`` with ``interval=10`` is the paper's.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class Controller:
         compressor: str = "powersgd",
         mild: Any = None,
         aggressive: Any = None,
-        interval: int = 10,
+        interval: int | None = None,
         eta: float | None = None,
         statistic: str = "rank0",
         interval_unit: str = "epoch",
@@ -94,9 +96,10 @@ class Controller:
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
         cls = compressor_class(compressor)
         self.statistic = check_choice("statistic", statistic, STATISTICS)
+        self.rule = _rule(rule, eta)
+        interval = self.rule.default_interval if interval is None else interval
         self.schedule = Schedule(interval, interval_unit)
         self.ladder = _ladder(cls, mild, aggressive, levels)
-        self.rule = _rule(rule, eta)
         self.compressor_name = cls.name
         self.process_group = process_group
         self.seed = seed
@@ -589,12 +592,12 @@ def _ladder(cls, mild: Any, aggressive: Any, levels: Sequence[Any] | None) -> La
 
 def _rule(rule: Rule | None, eta: float | None) -> Rule:
     if rule is None:
-        return PaperRule(0.5 if eta is None else eta)
+        return GuardedRule(0.5 if eta is None else eta)
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be an accordion.policy.Rule, got {type(rule).__name__}")
     if eta is not None:
-        raise ValueError("eta is the paper rule's threshold: give it to PaperRule(eta), not "
-                         "with another rule")  # fmt: skip
+        raise ValueError("eta is the default rule's threshold: with rule=, give it to the "
+                         "rule, e.g. PaperRule(eta) or GuardedRule(eta)")  # fmt: skip
     return rule
 
 

@@ -31,7 +31,7 @@ from ..compress import PowerSGD, compressor_class
 from ..compress.powersgd import matrix_shape, powersgd_rank
 from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
-from ..policy import make_rule
+from ..policy import PaperRule, make_rule
 from .data import (
     ClassificationData,
     LanguageData,
@@ -76,7 +76,7 @@ class TrainConfig:
     min_lr_factor: float = 0.0  # cosine: the final lr as a fraction of lr, in [0, 1]
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    interval: int = 10
+    interval: int | None = None  # Accordion's check interval, epochs (None: the rule's)
     eta: float = 0.5
     statistic: str = "rank0"
     on_rank_change: str | None = None  # PowerSGD's Q at a switch; None: the library default
@@ -97,8 +97,10 @@ class TrainConfig:
         """Raise ``TypeError`` (a setting of the wrong type) or ``ValueError`` naming the
         first bad setting."""
         parse_strategy(self.strategy)
-        for name in ("epochs", "batch_size", "interval", "bptt"):
+        for name in ("epochs", "batch_size", "bptt"):
             check_int(name, getattr(self, name), 1)
+        if self.interval is not None:
+            check_int("interval", self.interval, 1)
         for name in ("lr", "eta", "decay_factor"):
             check_number(name, getattr(self, name), minimum=0, strict=True)
         for name in ("momentum", "weight_decay", "warmup_epochs"):
@@ -255,7 +257,7 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             model,
             compressor=strategy.compressor,
             **ladder,
-            interval=strategy.interval or config.interval,
+            interval=strategy.interval or config.interval,  # None: the rule's default
             **({"rule": rule} if rule else {"eta": config.eta}),
             statistic=config.statistic,
             seed=config.seed,
@@ -354,7 +356,8 @@ def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int)
         return None
     return BatchSizeController(
         strategy.batch_small, strategy.batch_large, micro_batch=strategy.batch_small // world,
-        world_size=world, interval=config.interval, eta=config.eta, mode=strategy.batch_mode,
+        world_size=world, interval=config.interval or PaperRule.default_interval,
+        eta=config.eta, mode=strategy.batch_mode,
         fixed_switch_epoch=config.batch_switch_epoch, lr_scaling=config.lr_scaling,
         warmup_steps=config.batch_warmup_steps,
     )  # fmt: skip

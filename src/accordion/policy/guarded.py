@@ -71,6 +71,7 @@ class GuardedRule(Rule):
     """
 
     name = "guarded"
+    default_interval = 1  # it reacts within an epoch of a bad descent
 
     def __init__(
         self, eta: float = 0.5, decay_drop: float = DEFAULT_DECAY_DROP, wait_for_decay: bool = True

@@ -61,6 +61,8 @@ class Rule(ABC):
     #: between two calls; a ratio ``f`` in (0, 1) a fall to ``f`` times the rate at the
     #: previous decay (or the peak since) or less.
     decay_drop: float | None = None
+    #: The check interval a state uses with this rule when given none (epochs or steps).
+    default_interval: ClassVar[int] = 10
 
     def __init__(self) -> None:
         #: One JSON-serialisable record per check, oldest first (``stats()["checks"]``).
