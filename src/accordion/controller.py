@@ -563,11 +563,10 @@ class Controller:
         if not isinstance(state["rungs"], Mapping):
             raise ValueError(f"the checkpoint's rungs must be a Mapping, got {state['rungs']!r}")
         rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
-        rates = []
-        for key in ("last_lr", "decay_reference"):  # decay_reference: absent in older files
-            rate = state.get(key)
-            rates.append(None if rate is None else
-                         check_number(f"the checkpoint's {key}", rate, minimum=0))  # fmt: skip
+        # decay_reference is absent from files written before the guarded rule
+        given = (("last_lr", state["last_lr"]), ("decay_reference", state.get("decay_reference")))
+        rates = [None if rate is None else check_number(f"the checkpoint's {key}", rate, minimum=0)
+                 for key, rate in given]  # fmt: skip
         counters = (
             check_int("the checkpoint's epoch", state["epoch"], 0),
             check_int("the checkpoint's step", state["step"], 0),
