@@ -119,17 +119,15 @@ def test_a_sharp_change_of_the_gradient_norm_keeps_a_layer_mild():
     assert state.stats()["checks"][-1]["layers"]["0.weight"]["ratio"] > 0.5
 
 
+def _paper_steps(net: nn.Module, interval: int) -> AccordionState:
+    """The paper's rule at rank 2/1, deciding every ``interval`` steps, calm at eta 10."""
+    rule = PaperRule(10.0)
+    return AccordionState(net, "powersgd", 2, 1, interval=interval, rule=rule, interval_unit="step")
+
+
 def test_step_intervals_decide_at_the_end_of_each_window():
     net = make_net()
-    state = AccordionState(
-        net,
-        "powersgd",
-        mild=2,
-        aggressive=1,
-        interval=3,
-        rule=PaperRule(10.0),
-        interval_unit="step",
-    )
+    state = _paper_steps(net, interval=3)
     results = []
     for i in range(6):
         step(net, state, seed=i)
@@ -140,15 +138,7 @@ def test_step_intervals_decide_at_the_end_of_each_window():
 
 def test_a_decay_inside_a_step_window_makes_layers_mild_at_once():
     net = make_net()
-    state = AccordionState(
-        net,
-        "powersgd",
-        mild=2,
-        aggressive=1,
-        interval=2,
-        rule=PaperRule(10.0),
-        interval_unit="step",
-    )
+    state = _paper_steps(net, interval=2)
     for i in range(4):
         step(net, state, seed=i)
         state.end_step(next_lr=0.1)
