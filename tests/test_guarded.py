@@ -13,7 +13,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accordion.compress import PowerSGD
 from accordion.ddp import AccordionState, accordion_hook
-from accordion.policy import DecayDetector, GuardedRule, Ladder, Observation, PaperRule
+from accordion.policy import (
+    DecayDetector,
+    GuardedRule,
+    Ladder,
+    Observation,
+    PaperRule,
+    make_rule,
+)
 from distributed import run_processes
 
 LADDER = Ladder(PowerSGD, (4, 2, 1))
@@ -62,6 +69,19 @@ def test_a_growing_norm_without_a_descent_before_it_moves_up_one_rung_without_a_
     assert _drive(_open(), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]) == [0, 1, 2, 2, 1, 2, 2]
 
 
+def test_with_a_block_a_relapse_keeps_the_layer_off_the_rung_for_that_many_checks():
+    rule = GuardedRule(wait_for_decay=False, block=2)
+    # relapse at check 3; checks 4 and 5 stay blocked; check 6 may descend again
+    assert _drive(rule, [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 1.8, 1.8]) == [0, 1, 2, 1, 1, 1, 2, 2]
+
+
+def test_with_a_block_each_further_relapse_doubles_it():
+    rule = GuardedRule(wait_for_decay=False, block=1)
+    norms = [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 3.3, 3.3, 3.3, 3.3]
+    # first relapse at 3: blocked at 4; descends at 5; second relapse at 6: blocked 7, 8
+    assert _drive(rule, norms) == [0, 1, 2, 1, 1, 2, 1, 1, 1, 2]
+
+
 def test_the_guarded_rule_records_relapses_in_its_history():
     rule = _open()
     _drive(rule, [1.0, 1.0, 1.0, 1.8])
@@ -73,9 +93,9 @@ def test_the_guarded_rule_records_relapses_in_its_history():
 def test_a_guarded_rule_loaded_from_its_state_decides_as_the_original():
     rng = random.Random(3)
     script = [rng.choice([1.0, 1.2, 2.0, 0.4]) for _ in range(30)]
-    original = GuardedRule()
+    original = GuardedRule(block=2)
     first = _drive(original, script[:12], decayed={4})
-    copy = GuardedRule()
+    copy = GuardedRule(block=2)
     copy.load_state_dict(original.state_dict())
     rungs = {"w": first[-1]}
 
@@ -106,12 +126,20 @@ def test_a_malformed_guarded_state_is_a_value_error_and_changes_nothing():
     ("kwargs", "error"),
     [({"eta": 0}, ValueError), ({"eta": "0.5"}, TypeError), ({"decay_drop": 1.0}, ValueError),
      ({"decay_drop": 0}, ValueError), ({"decay_drop": True}, TypeError),
-     ({"decay_drop": math.nan}, ValueError), ({"wait_for_decay": 1}, TypeError)],
+     ({"decay_drop": math.nan}, ValueError), ({"wait_for_decay": 1}, TypeError),
+     ({"block": 0}, ValueError), ({"block": 2.0}, TypeError)],
 )  # fmt: skip
 def test_bad_guarded_rule_arguments_are_clear_errors(kwargs, error):
     name = next(iter(kwargs))
     with pytest.raises(error, match=name):
         GuardedRule(**kwargs)
+
+
+def test_make_rule_passes_the_rule_s_own_options():
+    rule = make_rule("guarded", 0.3, block=4)
+    assert isinstance(rule, GuardedRule) and (rule.eta, rule.block) == (0.3, 4)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        make_rule("median")
 
 
 # --- what counts as a decay -------------------------------------------------------------

@@ -286,8 +286,15 @@ def test_an_accordion_strategy_names_its_rule_and_interval_in_any_order():
     "text",
     ["accordion:powersgd:4,1:median", "accordion:powersgd:4,1:every=0",
      "accordion:powersgd:4,1:paper:paper", "static:powersgd:4:guarded",
-     "static:powersgd:4:every=2"],
+     "static:powersgd:4:every=2", "accordion:powersgd:4,1:paper:block=2",
+     "accordion:powersgd:4,1:block=0", "static:powersgd:4:block=2"],
 )  # fmt: skip
 def test_a_bad_strategy_suffix_is_a_value_error_naming_the_strategy(text):
     with pytest.raises(ValueError, match="strategy"):
         parse_strategy(text)
+
+
+def test_a_guarded_strategy_names_its_block():
+    strategy = parse_strategy("accordion:powersgd:4,2,1:block=5")
+    assert (strategy.rule, strategy.block) == (None, 5)
+    assert parse_strategy("accordion:powersgd:4,2,1:guarded:block=3").block == 3

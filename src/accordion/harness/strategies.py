@@ -21,7 +21,8 @@ compressing each tensor, and sends dense those for which compression does not pa
 An Accordion strategy may also name its rule and its check interval (epochs), in any
 order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
 :data:`accordion.policy.RULES`; without a name the library's default rule, without
-``every=N`` the run's ``--interval``).
+``every=N`` the run's ``--interval``), and for the guarded rule how many checks a
+relapse blocks a rung (``block=N``, :class:`~accordion.policy.GuardedRule`'s ``block``).
 
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
@@ -47,7 +48,7 @@ FORMATS = (
     "static:COMPRESSOR:LEVEL",
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
-    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N]",
+    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N]",
     "torch-powersgd:R",
     "static-batch:B",
     "batch:SMALL,LARGE",
@@ -85,6 +86,7 @@ class Strategy:
     auto: bool = False  # the cost model sends dense what compression cannot pay for
     rule: str | None = None  # Accordion's rule by name (None: the library's default)
     interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
+    block: int | None = None  # the guarded rule's block, checks (None: until the next decay)
 
     @property
     def mild(self) -> Any:
@@ -203,26 +205,36 @@ def _parse_communication(text: str, whole: str) -> Strategy:
         if len(items) != 1:
             raise _malformed(whole)
         if set(options) - {"auto"}:
-            raise ValueError(f"strategy {text!r}: a rule or interval needs an accordion strategy")
+            raise ValueError(
+                f"strategy {text!r}: a rule, interval or block needs an accordion strategy"
+            )
         return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
     if len(items) < 2:
         raise _malformed(whole)
+    if "block" in options and options.get("rule", "guarded") != "guarded":
+        raise ValueError(f"strategy {text!r}: block=N is an option of the guarded rule")
     return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
-    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, each at most once."""
+    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, ``block=N``, each
+    at most once."""
+    counts = {"every": "interval", "block": "block"}  # suffix -> Strategy field
     options: dict[str, Any] = {}
     for item in items:
-        key = "auto" if item == "auto" else "rule" if item in RULES else "interval"
-        if key == "interval":
-            name, _, value = item.partition("=")
-            if name != "every" or not value.isdigit() or int(value) < 1:
-                raise ValueError(
-                    f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
-                    f"({', '.join(RULES)}) or every=N (N >= 1 epochs)"
-                )
+        name, _, value = item.partition("=")
+        if item == "auto":
+            key, parsed = "auto", True
+        elif item in RULES:
+            key, parsed = "rule", item
+        elif name in counts and value.isdigit() and int(value) >= 1:
+            key, parsed = counts[name], int(value)
+        else:
+            raise ValueError(
+                f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
+                f"({', '.join(RULES)}), every=N (N >= 1 epochs) or block=N (N >= 1 checks)"
+            )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
-        options[key] = True if key == "auto" else item if key == "rule" else int(value)
+        options[key] = parsed
     return options

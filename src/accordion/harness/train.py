@@ -252,7 +252,10 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             ladder: dict[str, Any] = {"levels": strategy.levels}
         else:  # static: one level, mild == aggressive
             ladder = {"mild": strategy.mild, "aggressive": strategy.aggressive}
-        rule = make_rule(strategy.rule, config.eta) if strategy.rule else None
+        rule = None  # the library's default rule, with eta
+        if strategy.rule or strategy.block is not None:
+            options = {} if strategy.block is None else {"block": strategy.block}
+            rule = make_rule(strategy.rule or "guarded", config.eta, **options)
         state = AccordionState(
             model,
             compressor=strategy.compressor,

@@ -10,6 +10,8 @@
 Pure logic: plain values in and out, no ``torch.distributed``.
 """
 
+from typing import Any
+
 from .guarded import GuardedRule
 from .ladder import Ladder
 from .rules import RULE_STATISTICS, Observation, PaperRule, Rule, check_eta, paper_check
@@ -19,11 +21,12 @@ from .schedule import UNITS, DecayDetector, Schedule
 RULES: dict[str, type[Rule]] = {PaperRule.name: PaperRule, GuardedRule.name: GuardedRule}
 
 
-def make_rule(name: str, eta: float | None = None) -> Rule:
-    """A rule by its name (see ``RULES``), with the threshold ``eta`` if given."""
+def make_rule(name: str, eta: float | None = None, **options: Any) -> Rule:
+    """A rule by its name (see ``RULES``), with the threshold ``eta`` if given and the
+    rule's own keyword ``options`` (e.g. ``block=`` for the guarded rule)."""
     if name not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {name!r}")
-    return RULES[name]() if eta is None else RULES[name](eta)
+    return RULES[name](**({} if eta is None else {"eta": eta}), **options)
 
 __all__ = [
     "RULES",

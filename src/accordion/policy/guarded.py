@@ -29,7 +29,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from .._validate import check_bool
+from .._validate import check_bool, check_int
 from .ladder import Ladder
 from .rules import Observation, Rule, check_eta
 
@@ -62,6 +62,9 @@ class GuardedRule(Rule):
             the previous decay (or the peak since) or less (a ratio in (0, 1), default 0.5).
         wait_for_decay: keep every layer off the last rung until the first decay (default
             True); with False the whole ladder is open from the start.
+        block: how long a relapse keeps a layer off the rung that failed: ``None`` (the
+            default) until the next decay; ``k`` (an int >= 1) for ``k`` checks, doubled
+            at each further relapse of that layer before the next decay.
 
     ``history`` holds one record per check::
 
@@ -74,12 +77,17 @@ class GuardedRule(Rule):
     default_interval = 1  # it reacts within an epoch of a bad descent
 
     def __init__(
-        self, eta: float = 0.5, decay_drop: float = DEFAULT_DECAY_DROP, wait_for_decay: bool = True
+        self,
+        eta: float = 0.5,
+        decay_drop: float = DEFAULT_DECAY_DROP,
+        wait_for_decay: bool = True,
+        block: int | None = None,
     ):
         super().__init__()
         self.eta = check_eta(eta)
         self.decay_drop = check_decay_drop(decay_drop)
         self.wait_for_decay = check_bool("wait_for_decay", wait_for_decay)
+        self.block = None if block is None else check_int("block", block, 1)
         #: Norms remembered at the last check.
         self.norms: dict[str, float] = {}
         #: Per layer, the most aggressive rung allowed until the next decay (relapses).
@@ -88,12 +96,22 @@ class GuardedRule(Rule):
         self.probation: set[str] = set()
         #: Learning-rate decays seen so far.
         self.decays = 0
+        #: Checks decided so far, and per blocked layer the check at which its block
+        #: lifts and its relapses since the last decay (``block`` not ``None``).
+        self.checks = 0
+        self.lifts: dict[str, int] = {}
+        self.relapses: dict[str, int] = {}
 
     def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
         if observation.decayed:  # a new regime: what failed before may work now
             self.limits.clear()
             self.probation.clear()
+            self.lifts.clear()
+            self.relapses.clear()
             self.decays += 1
+        for name in [n for n, at in self.lifts.items() if at <= self.checks]:
+            del self.limits[name], self.lifts[name]
+        self.checks += 1
         rungs, layers = {}, {}
         for name, new in observation.grad_norms.items():
             rungs[name], layers[name] = self._layer(name, new, observation, ladder)
@@ -124,6 +142,7 @@ class GuardedRule(Rule):
             relapse = name in self.probation and current > 0 and new > old
             if relapse:  # the last descent was one rung too far at this learning rate
                 limit = self.limits[name] = current - 1
+                self._schedule_lift(name)
             rung = max(current - 1, 0)
         else:
             rung = min(current + 1, limit)
@@ -136,9 +155,17 @@ class GuardedRule(Rule):
                   "rung": rung, "limit": limit, "relapse": relapse}  # fmt: skip
         return rung, record
 
+    def _schedule_lift(self, name: str) -> None:
+        """With ``block``, lift ``name``'s new block after ``block * 2**(relapses - 1)``
+        checks (this check counted)."""
+        if self.block is None:
+            return
+        count = self.relapses[name] = self.relapses.get(name, 0) + 1
+        self.lifts[name] = self.checks + self.block * 2 ** (count - 1)
+
     def config(self) -> dict[str, Any]:
         return {"eta": self.eta, "decay_drop": self.decay_drop,
-                "wait_for_decay": self.wait_for_decay}  # fmt: skip
+                "wait_for_decay": self.wait_for_decay, "block": self.block}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -146,6 +173,9 @@ class GuardedRule(Rule):
             "limits": dict(self.limits),
             "probation": sorted(self.probation),
             "decays": self.decays,
+            "checks": self.checks,
+            "lifts": dict(self.lifts),
+            "relapses": dict(self.relapses),
             "history": copy.deepcopy(self.history),
         }
 
@@ -155,6 +185,10 @@ class GuardedRule(Rule):
             limits = {str(k): _rung(v) for k, v in state["limits"].items()}
             probation = {str(k) for k in state["probation"]}
             decays = _rung(state["decays"])
+            # checks, lifts and relapses: absent from states written before ``block``
+            checks = _rung(state.get("checks", 0))
+            lifts = {str(k): _rung(v) for k, v in state.get("lifts", {}).items()}
+            relapses = {str(k): _rung(v) for k, v in state.get("relapses", {}).items()}
         except (KeyError, TypeError, AttributeError, ValueError):
             raise ValueError(
                 "state must come from GuardedRule.state_dict() "
@@ -162,6 +196,7 @@ class GuardedRule(Rule):
             ) from None
         super().load_state_dict(state)
         self.norms, self.limits, self.probation, self.decays = norms, limits, probation, decays
+        self.checks, self.lifts, self.relapses = checks, lifts, relapses
 
 
 def _rung(value: Any) -> int:
