@@ -75,6 +75,16 @@ def test_with_a_block_a_relapse_keeps_the_layer_off_the_rung_for_that_many_check
     assert _drive(rule, [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 1.8, 1.8]) == [0, 1, 2, 1, 1, 1, 2, 2]
 
 
+def test_by_default_a_relapse_blocks_the_rung_for_five_checks():
+    norms = [1.0, 1.0, 1.0, 1.8] + [1.8] * 6
+    assert _drive(_open(), norms) == [0, 1, 2, 1, 1, 1, 1, 1, 1, 2]
+
+
+def test_with_block_none_a_relapse_blocks_the_rung_until_the_next_decay():
+    rule = GuardedRule(wait_for_decay=False, block=None)
+    assert _drive(rule, [1.0, 1.0, 1.0, 1.8] + [1.8] * 8) == [0, 1, 2] + [1] * 9
+
+
 def test_with_a_block_each_further_relapse_doubles_it():
     rule = GuardedRule(wait_for_decay=False, block=1)
     norms = [1.0, 1.0, 1.0, 1.8, 1.8, 1.8, 3.3, 3.3, 3.3, 3.3]

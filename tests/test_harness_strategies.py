@@ -298,3 +298,19 @@ def test_a_guarded_strategy_names_its_block():
     strategy = parse_strategy("accordion:powersgd:4,2,1:block=5")
     assert (strategy.rule, strategy.block) == (None, 5)
     assert parse_strategy("accordion:powersgd:4,2,1:guarded:block=3").block == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "rule", "block"),
+    [("accordion:powersgd:4,2,1:block=3", "guarded", 3),
+     ("accordion:powersgd:4,2,1:guarded:block=decay", "guarded", None),
+     ("accordion:powersgd:4,1:paper", "paper", "none")],
+)  # fmt: skip
+def test_attach_strategy_builds_the_named_rule_with_its_block(monkeypatch, text, rule, block):
+    made = []
+    monkeypatch.setattr(train, "AccordionState", lambda model, **kwargs: made.append(kwargs))
+    train._attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
+                           _HookRecorder())  # fmt: skip
+    (kwargs,) = made
+    assert kwargs["rule"].name == rule
+    assert getattr(kwargs["rule"], "block", "none") == block

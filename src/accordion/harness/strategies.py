@@ -22,7 +22,8 @@ An Accordion strategy may also name its rule and its check interval (epochs), in
 order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
 :data:`accordion.policy.RULES`; without a name the library's default rule, without
 ``every=N`` the run's ``--interval``), and for the guarded rule how many checks a
-relapse blocks a rung (``block=N``, :class:`~accordion.policy.GuardedRule`'s ``block``).
+relapse blocks a rung (``block=N``, or ``block=decay`` for until the next decay:
+:class:`~accordion.policy.GuardedRule`'s ``block``).
 
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
@@ -48,7 +49,7 @@ FORMATS = (
     "static:COMPRESSOR:LEVEL",
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
-    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N]",
+    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay]",
     "torch-powersgd:R",
     "static-batch:B",
     "batch:SMALL,LARGE",
@@ -86,7 +87,7 @@ class Strategy:
     auto: bool = False  # the cost model sends dense what compression cannot pay for
     rule: str | None = None  # Accordion's rule by name (None: the library's default)
     interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
-    block: int | None = None  # the guarded rule's block, checks (None: until the next decay)
+    block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
 
     @property
     def mild(self) -> Any:
@@ -229,10 +230,13 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "rule", item
         elif name in counts and value.isdigit() and int(value) >= 1:
             key, parsed = counts[name], int(value)
+        elif item == "block=decay":
+            key, parsed = "block", "decay"
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
-                f"({', '.join(RULES)}), every=N (N >= 1 epochs) or block=N (N >= 1 checks)"
+                f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks) or "
+                "block=decay"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")

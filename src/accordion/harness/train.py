@@ -254,7 +254,8 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             ladder = {"mild": strategy.mild, "aggressive": strategy.aggressive}
         rule = None  # the library's default rule, with eta
         if strategy.rule or strategy.block is not None:
-            options = {} if strategy.block is None else {"block": strategy.block}
+            block = None if strategy.block == "decay" else strategy.block
+            options = {} if strategy.block is None else {"block": block}
             rule = make_rule(strategy.rule or "guarded", config.eta, **options)
         state = AccordionState(
             model,

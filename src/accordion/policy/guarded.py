@@ -13,8 +13,10 @@ where they were, and the same switch to rank 1 after the first decay does no har
 * keeps the **last rung for after the first decay** (``wait_for_decay``): before it, the
   learning rate is at its peak and the most aggressive level is what hurts;
 * treats a layer whose norm grows by ``eta`` or more right after a descent as a
-  **relapse**: it goes back up one rung, and that rung stays out of reach until the next
-  decay (it was too aggressive at this learning rate);
+  **relapse**: it goes back up one rung, and that rung stays out of reach for ``block``
+  checks (5), twice as long after each further relapse, and never past the next decay
+  (it was too aggressive at this learning rate, or the norm moved for another reason:
+  early in training it often does);
 * counts a **decay** only when the learning rate falls to ``decay_drop`` times (or less)
   the rate at the previous decay or the peak since: a cosine or linear schedule, whose
   rate falls a little every epoch, is not in a critical regime at every check. A decay
@@ -35,6 +37,8 @@ from .rules import Observation, Rule, check_eta
 
 #: The guarded rule's default decay threshold: a fall of the lr to half or less.
 DEFAULT_DECAY_DROP = 0.5
+#: Checks a first relapse keeps a layer off the rung that failed, by default.
+DEFAULT_BLOCK = 5
 
 
 def check_decay_drop(decay_drop: Any) -> float:
@@ -62,9 +66,9 @@ class GuardedRule(Rule):
             the previous decay (or the peak since) or less (a ratio in (0, 1), default 0.5).
         wait_for_decay: keep every layer off the last rung until the first decay (default
             True); with False the whole ladder is open from the start.
-        block: how long a relapse keeps a layer off the rung that failed: ``None`` (the
-            default) until the next decay; ``k`` (an int >= 1) for ``k`` checks, doubled
-            at each further relapse of that layer before the next decay.
+        block: how long a relapse keeps a layer off the rung that failed: ``k`` checks
+            (an int >= 1, default 5), doubled at each further relapse of that layer
+            before the next decay; ``None`` until the next decay.
 
     ``history`` holds one record per check::
 
@@ -81,7 +85,7 @@ class GuardedRule(Rule):
         eta: float = 0.5,
         decay_drop: float = DEFAULT_DECAY_DROP,
         wait_for_decay: bool = True,
-        block: int | None = None,
+        block: int | None = DEFAULT_BLOCK,
     ):
         super().__init__()
         self.eta = check_eta(eta)
