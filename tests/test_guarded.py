@@ -129,6 +129,8 @@ def test_a_malformed_guarded_state_is_a_value_error_and_changes_nothing():
         rule.load_state_dict({"norms": {"w": 1.0}, "history": []})
     with pytest.raises(ValueError, match="GuardedRule.state_dict"):
         rule.load_state_dict({**before, "limits": {"w": -1}})
+    with pytest.raises(ValueError, match="GuardedRule.state_dict"):
+        rule.load_state_dict({**before, "lifts": {"w": 3}})  # a lift without a block
     assert rule.state_dict() == before
 
 

@@ -193,6 +193,8 @@ class GuardedRule(Rule):
             checks = _rung(state.get("checks", 0))
             lifts = {str(k): _rung(v) for k, v in state.get("lifts", {}).items()}
             relapses = {str(k): _rung(v) for k, v in state.get("relapses", {}).items()}
+            if not set(lifts) <= set(limits):
+                raise ValueError("a block to lift must be a block")
         except (KeyError, TypeError, AttributeError, ValueError):
             raise ValueError(
                 "state must come from GuardedRule.state_dict() "
