@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -300,3 +301,30 @@ def test_calibrate_with_computation_to_hide_behind_sends_dense_what_would_overla
 def test_calibrate_rejects_a_bad_compute_time(compute_s, error):
     with pytest.raises(error, match="compute_s must be"):
         AccordionState(make_net()).calibrate(bandwidth=1e6, latency=0.0, compute_s=compute_s)
+
+
+def test_end_epoch_warns_once_when_no_gradient_passed_through_the_state():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=2)  # static: no check
+    with pytest.warns(RuntimeWarning, match="no gradient passed through this Accordion state"):
+        state.end_epoch(next_lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.end_epoch(next_lr=0.1)  # once is enough
+
+
+def test_the_idle_warning_names_the_lightning_cause_and_the_fix():
+    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=2, interval_unit="step")
+    with pytest.warns(RuntimeWarning) as caught:
+        state.end_step(next_lr=0.1)
+    text = str(caught[0].message)
+    assert "register_comm_hook(state, accordion_hook)" in text and "Lightning" in text
+
+
+def test_end_epoch_does_not_warn_when_gradients_passed_through_the_state():
+    net = make_net()
+    state = AccordionState(net, "powersgd", mild=2, aggressive=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for epoch in range(2):
+            step(net, state, seed=epoch)
+            state.end_epoch(next_lr=0.1)

@@ -113,6 +113,8 @@ class Controller:
         self.params = ParameterTable()
         self._decay = DecayDetector(self.rule.decay_drop)
         self._decayed = False  # a decay since the last check (Observation.decayed)
+        self._observed = False  # a gradient reached observe() since the last end_*()
+        self._warned_idle = False  # the "hook never ran" warning is given once
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
         self.sums = GradientSums()
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
@@ -208,6 +210,7 @@ class Controller:
         """Before an exchange: add ``grads`` to the statistic when the schedule gathers it,
         and their cost at the current levels to the ledger."""
         reducer = self.reducer
+        self._observed = True
         if self._collecting():
             for key, grad in zip(keys, grads):
                 if reducer.compresses(grad, key):
@@ -315,6 +318,7 @@ class Controller:
         if self.interval_unit != "epoch":
             raise ValueError("end_epoch needs interval_unit='epoch'; this state counts steps")
         decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        self._warn_if_idle("end_epoch")
         if not self.adaptive or not self._compressed_keys():  # nothing has a level to pick
             self.epoch += 1
             return {}
@@ -345,6 +349,7 @@ class Controller:
         if self.interval_unit != "step":
             raise ValueError("end_step needs interval_unit='step'; this state counts epochs")
         decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        self._warn_if_idle("end_step")
         self.step += 1
         if not self.adaptive or not self._compressed_keys():
             return None
@@ -356,6 +361,22 @@ class Controller:
             return None
         self._check(index, decay, f"the step window ending at step {self.step}")
         return self.critical()
+
+    def _warn_if_idle(self, call: str) -> None:
+        """Warn once when no gradient came through this state since the last ``call``."""
+        if not self._observed and not self._warned_idle:
+            self._warned_idle = True
+            warnings.warn(
+                f"{call}: no gradient passed through this Accordion state since the last "
+                "call, so training averaged gradients without it. Likely causes: the hook "
+                "was never registered (model.register_comm_hook(state, accordion_hook)), "
+                "or a framework skipped it (PyTorch Lightning's DDPStrategy registers comm "
+                "hooks only on CUDA; register the hook on its DDP module yourself), or a "
+                "loop without DDP does not call state.reduce_gradients() after backward()",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._observed = False
 
     def _check(self, index: int, decay: bool, period: str) -> None:
         """One decision of the rule, from statistics agreed by every rank."""
