@@ -26,32 +26,18 @@ where they were, and the same switch to rank 1 after the first decay does no har
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from .._validate import check_bool, check_int
 from .ladder import Ladder
 from .rules import Observation, Rule, check_eta
+from .schedule import check_drop
 
 #: The guarded rule's default decay threshold: a fall of the lr to half or less.
 DEFAULT_DECAY_DROP = 0.5
 #: Checks a first relapse keeps a layer off the rung that failed, by default.
 DEFAULT_BLOCK = 5
-
-
-def check_decay_drop(decay_drop: Any) -> float:
-    """Validate a decay threshold (a float in (0, 1), a ratio of learning rates)."""
-    if isinstance(decay_drop, bool) or not isinstance(decay_drop, numbers.Real):
-        raise TypeError(
-            f"decay_drop must be a float in (0, 1) (a ratio of learning rates), got {decay_drop!r}"
-        )
-    if not (math.isfinite(decay_drop) and 0 < decay_drop < 1):
-        raise ValueError(
-            f"decay_drop must be a float in (0, 1) (a ratio of learning rates), got {decay_drop!r}"
-        )
-    return float(decay_drop)
 
 
 class GuardedRule(Rule):
@@ -89,7 +75,7 @@ class GuardedRule(Rule):
     ):
         super().__init__()
         self.eta = check_eta(eta)
-        self.decay_drop = check_decay_drop(decay_drop)
+        self.decay_drop = check_drop(decay_drop, "decay_drop")
         self.wait_for_decay = check_bool("wait_for_decay", wait_for_decay)
         self.block = None if block is None else check_int("block", block, 1)
         #: Norms remembered at the last check.
@@ -100,9 +86,8 @@ class GuardedRule(Rule):
         self.probation: set[str] = set()
         #: Learning-rate decays seen so far.
         self.decays = 0
-        #: Checks decided so far, and per blocked layer the check at which its block
-        #: lifts and its relapses since the last decay (``block`` not ``None``).
-        self.checks = 0
+        #: Per blocked layer, the number of checks (``len(history)``) at which its block
+        #: lifts, and its relapses since the last decay (``block`` not ``None``).
         self.lifts: dict[str, int] = {}
         self.relapses: dict[str, int] = {}
 
@@ -113,9 +98,8 @@ class GuardedRule(Rule):
             self.lifts.clear()
             self.relapses.clear()
             self.decays += 1
-        for name in [n for n, at in self.lifts.items() if at <= self.checks]:
+        for name in [n for n, at in self.lifts.items() if at <= len(self.history)]:
             del self.limits[name], self.lifts[name]
-        self.checks += 1
         rungs, layers = {}, {}
         for name, new in observation.grad_norms.items():
             rungs[name], layers[name] = self._layer(name, new, observation, ladder)
@@ -165,7 +149,7 @@ class GuardedRule(Rule):
         if self.block is None:
             return
         count = self.relapses[name] = self.relapses.get(name, 0) + 1
-        self.lifts[name] = self.checks + self.block * 2 ** (count - 1)
+        self.lifts[name] = len(self.history) + 1 + self.block * 2 ** (count - 1)
 
     def config(self) -> dict[str, Any]:
         return {"eta": self.eta, "decay_drop": self.decay_drop,
@@ -177,7 +161,6 @@ class GuardedRule(Rule):
             "limits": dict(self.limits),
             "probation": sorted(self.probation),
             "decays": self.decays,
-            "checks": self.checks,
             "lifts": dict(self.lifts),
             "relapses": dict(self.relapses),
             "history": copy.deepcopy(self.history),
@@ -189,8 +172,7 @@ class GuardedRule(Rule):
             limits = {str(k): _rung(v) for k, v in state["limits"].items()}
             probation = {str(k) for k in state["probation"]}
             decays = _rung(state["decays"])
-            # checks, lifts and relapses: absent from states written before ``block``
-            checks = _rung(state.get("checks", 0))
+            # lifts and relapses: absent from states written before ``block``
             lifts = {str(k): _rung(v) for k, v in state.get("lifts", {}).items()}
             relapses = {str(k): _rung(v) for k, v in state.get("relapses", {}).items()}
             if not set(lifts) <= set(limits):
@@ -202,7 +184,7 @@ class GuardedRule(Rule):
             ) from None
         super().load_state_dict(state)
         self.norms, self.limits, self.probation, self.decays = norms, limits, probation, decays
-        self.checks, self.lifts, self.relapses = checks, lifts, relapses
+        self.lifts, self.relapses = lifts, relapses
 
 
 def _rung(value: Any) -> int:

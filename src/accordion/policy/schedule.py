@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 
-from .._validate import check_bool, check_choice, check_int, check_number
+from .._validate import check_bool, check_choice, check_int
 
 UNITS = ("epoch", "step")
 
@@ -45,6 +46,16 @@ class Schedule:
         return f"Schedule(interval={self.interval}, unit={self.unit!r})"
 
 
+def check_drop(drop: Any, name: str = "drop") -> float:
+    """Validate a decay threshold named ``name``: a float in (0, 1), a ratio of rates."""
+    message = f"{name} must be a float in (0, 1) (a ratio of learning rates), got {drop!r}"
+    if isinstance(drop, bool) or not isinstance(drop, numbers.Real):
+        raise TypeError(message)
+    if not (math.isfinite(drop) and 0 < drop < 1):
+        raise ValueError(message)
+    return float(drop)
+
+
 class DecayDetector:
     """Notices learning-rate decays from the rate seen at each call.
 
@@ -57,11 +68,7 @@ class DecayDetector:
     """
 
     def __init__(self, drop: float | None = None) -> None:
-        if drop is not None:
-            check_number("drop", drop, minimum=0, strict=True)
-            if drop >= 1:
-                raise ValueError(f"drop must be a ratio in (0, 1) or None, got {drop!r}")
-        self.drop = drop
+        self.drop = None if drop is None else check_drop(drop)
         #: The learning rate seen at the last call, or ``None``.
         self.last_lr: float | None = None
         #: The rate a fall is measured from (``drop`` not ``None``), or ``None``.
