@@ -475,13 +475,22 @@ class Controller:
             if comp.applies_to(s)
         }
 
+    def dense_floats(self) -> int:
+        """Paper-convention floats this rank would have sent uncompressed over the same
+        steps (every recorded step of every layer dense): the reference for
+        ``ledger.total_floats``."""
+        world, shapes = self._world_size(), self.params.shapes
+        return sum(t.steps * paper_floats(shapes[k], Dense.name, None, world)
+                   for k, t in self.ledger.layers.items() if k in shapes)  # fmt: skip
+
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot for logging.
 
         ``layers`` maps each parameter key to its current ``level`` (``None`` when it is
         sent dense), ``shape``, ``floats`` (paper convention) and ``bytes`` (wire) sent so
         far by this rank; ``checks`` is the rule's history (the paper rule: per check and
-        layer, the old norm, new norm, ratio (``None`` for infinity) and the decision).
+        layer, the old norm, new norm, ratio (``None`` for infinity) and the decision);
+        ``dense_floats`` is what ``total_floats`` would be uncompressed.
         """
         comp = self.reducer.compressor
         totals = self.ledger.totals()
@@ -504,6 +513,7 @@ class Controller:
             "step": self.step,
             "total_floats": self.ledger.total_floats,
             "total_bytes": self.ledger.total_bytes,
+            "dense_floats": self.dense_floats(),
             "non_finite_steps": self.reducer.non_finite_steps,
             "dense_keys": self.dense_keys,
             "calibration": self.calibration,

@@ -32,6 +32,8 @@ rank); ``state.bind_module(module)`` names them after the module's parameters.
 # hook's annotations at run time, and strings do not compare equal to the types.
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .compress import AllReduce, compressor_class, compressor_names
 from .controller import Controller
@@ -50,8 +52,29 @@ class AccordionState(Controller):
     (see :class:`accordion.controller.Controller` for the arguments) plus the DDP hook's
     work for one bucket."""
 
+    def register(self, model: nn.Module) -> DistributedDataParallel:
+        """Register :func:`accordion_hook` on the DDP module inside ``model`` and return it.
+
+        ``model`` is a ``DistributedDataParallel`` module or wraps one (``torch.compile``'s
+        ``OptimizedModule``, or any wrapper keeping it as ``.module``), as returned by
+        Accelerate's ``prepare`` or held by a Lightning or Hugging Face trainer. A state
+        without a module is bound to the DDP module; a bound state must own every
+        parameter DDP averages, else ``ValueError`` (the hook would compress another
+        model's gradients with this one's state).
+        """
+        ddp = find_ddp(model)
+        bound = self.params.module
+        if bound is None:
+            self.bind_module(ddp)
+        else:
+            _check_owns(bound, ddp)
+        ddp.register_comm_hook(self, accordion_hook)
+        return ddp
+
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The hook's work for one bucket; see :func:`accordion_hook`."""
+        if not isinstance(bucket, dist.GradBucket):
+            raise TypeError(_NOT_A_BUCKET.format(type(bucket).__name__))
         keys = self.params.keys(bucket.parameters())
         grads = bucket.gradients()  # views into bucket.buffer(): written in place
         transport = self.transport()
@@ -72,6 +95,46 @@ class AccordionState(Controller):
             return buffer
 
         return transport.run_async(exchange).then(unpack)
+
+
+_NOT_A_BUCKET = (
+    "accordion_hook needs a dist.GradBucket, got {}: DDP calls comm hooks per parameter "
+    "under compiled autograd (torch._dynamo.config.optimize_ddp = 'python_reducer'), "
+    "which Accordion does not support (its exchanges run outside the compiled graph). "
+    "Keep optimize_ddp at its default ('ddp_optimizer'): torch.compile(ddp_model) works "
+    "with the hook"
+)
+
+
+def find_ddp(model: nn.Module) -> DistributedDataParallel:
+    """The ``DistributedDataParallel`` module that is ``model`` or that ``model`` wraps
+    (through ``torch.compile``'s ``_orig_mod`` or a ``.module`` attribute)."""
+    seen = model
+    for _ in range(8):  # wrappers nest a few deep at most
+        if isinstance(seen, DistributedDataParallel):
+            return seen
+        inner = getattr(seen, "_orig_mod", None) or getattr(seen, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        seen = inner
+    raise TypeError(
+        "model must be a DistributedDataParallel module or wrap one (torch.compile, "
+        f"Accelerate), got {type(model).__name__}: wrap it in DDP first, or let the "
+        "framework do it and register from its callback (accordion.integrations)"
+    )
+
+
+def _check_owns(bound: nn.Module, ddp: DistributedDataParallel) -> None:
+    """Raise ``ValueError`` when ``ddp`` averages parameters that ``bound`` does not own."""
+    owned = {id(p) for p in bound.parameters()}
+    foreign = [n for n, p in ddp.module.named_parameters() if p.requires_grad
+               and id(p) not in owned]  # fmt: skip
+    if foreign:
+        raise ValueError(
+            f"the hook is registered on a model whose parameters the state's bound module "
+            f"({type(bound).__name__}) does not own, e.g. {foreign[:3]}: build the "
+            "AccordionState from the model that DDP wraps"
+        )
 
 
 def _dense_buffer(buffer: torch.Tensor, world: int):
@@ -101,4 +164,4 @@ def accordion_hook(
     return state.reduce_bucket(bucket)
 
 
-__all__ = ["AccordionState", "accordion_hook", "DEFAULT_LEVELS"]
+__all__ = ["AccordionState", "accordion_hook", "find_ddp", "DEFAULT_LEVELS"]

@@ -59,6 +59,12 @@ class ParameterTable:
         for param in params:
             key = self._names.get(id(param))
             if key is None:
+                if self.module is not None:
+                    raise ValueError(
+                        f"a gradient of shape {tuple(param.shape)} belongs to no parameter "
+                        f"of the bound module ({type(self.module).__name__}): the hook is "
+                        "registered on another model than the state was built for"
+                    )
                 key = f"#{len(self.shapes)}"  # same on every rank: buckets are identical
                 self._names[id(param)] = key
                 self._register(key, param)
