@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so the package's `torch>=2.3` is already met and no other build is pulled
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[harness,dev]"
+	$(PY) -m pip install --quiet -e ".[harness,dev,integrations]"
 	touch $(STAMP)
 
 demo: $(STAMP)
