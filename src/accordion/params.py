@@ -45,7 +45,7 @@ class ParameterTable:
                 renamed[old] = name
             self._names[id(param)] = name
             if name not in self.shapes:
-                self._register(name, param)
+                self._register(name, tuple(param.shape), param.element_size())
         for old, new in renamed.items():
             self.shapes[new] = self.shapes.pop(old)
             self.element_size[new] = self.element_size.pop(old)
@@ -67,9 +67,14 @@ class ParameterTable:
                     )
                 key = f"#{len(self.shapes)}"  # same on every rank: buckets are identical
                 self._names[id(param)] = key
-                self._register(key, param)
+                self._register(key, tuple(param.shape), param.element_size())
             keys.append(key)
         return keys
+
+    def add(self, key: str, shape: Sequence[int], element_size: int) -> None:
+        """Register ``key`` for a tensor that is no module parameter (an FSDP gradient
+        shard), so that its state is kept and checkpointed under that key."""
+        self._register(key, tuple(shape), element_size)
 
     def expect(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Check the bound parameters against a checkpoint's ``shapes`` and remember them
@@ -100,12 +105,14 @@ class ParameterTable:
                 f"parameters only in the checkpoint {missing}, only in the model {extra}"
             )
 
-    def _register(self, key: str, param: torch.Tensor) -> None:
-        shape = tuple(param.shape)
+    def _register(self, key: str, shape: tuple[int, ...], element_size: int) -> None:
+        if key in self.shapes:
+            raise ValueError(f"parameter key {key!r} is registered twice")
         if self.expected is not None and self.expected.get(key) != shape:
             raise ValueError(
                 f"the loaded Accordion state does not match the model: parameter {key!r} "
                 f"has shape {shape}, the checkpoint {self.expected.get(key)}"
             )
         self.shapes[key] = shape
-        self.element_size[key] = param.element_size()
+        self.element_size[key] = element_size
+
