@@ -69,6 +69,21 @@ def test_the_hook_refuses_buckets_of_a_model_the_state_was_not_built_for():
     run_processes(_hook_refuses_another_model, 2)
 
 
+def _register_refuses_python_reducer(rank, world_size):
+    import torch._dynamo
+
+    net = _net()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        ddp = DDP(net)  # DDP reads the mode here
+    state = AccordionState(net, compressor="powersgd", levels=(2, 1))
+    with pytest.raises(ValueError, match="python_reducer"):
+        state.register(ddp)
+
+
+def test_register_refuses_a_ddp_built_for_compiled_autograd_python_reducer():
+    run_processes(_register_refuses_python_reducer, 2)
+
+
 def test_find_ddp_raises_type_error_naming_the_model_when_there_is_no_ddp():
     with pytest.raises(TypeError, match="Sequential"):
         find_ddp(_net())

@@ -63,6 +63,8 @@ class AccordionState(Controller):
         model's gradients with this one's state).
         """
         ddp = find_ddp(model)
+        if getattr(ddp, "_use_python_reducer", False):  # private: absent on older torch
+            raise ValueError(_PYTHON_REDUCER)
         bound = self.params.module
         if bound is None:
             self.bind_module(ddp)
@@ -99,10 +101,16 @@ class AccordionState(Controller):
 
 _NOT_A_BUCKET = (
     "accordion_hook needs a dist.GradBucket, got {}: DDP calls comm hooks per parameter "
-    "under compiled autograd (torch._dynamo.config.optimize_ddp = 'python_reducer'), "
-    "which Accordion does not support (its exchanges run outside the compiled graph). "
-    "Keep optimize_ddp at its default ('ddp_optimizer'): torch.compile(ddp_model) works "
-    "with the hook"
+    "when built with torch._dynamo.config.optimize_ddp = 'python_reducer' (for compiled "
+    "autograd), which Accordion does not support (its exchanges run outside the compiled "
+    "graph). Keep optimize_ddp at its default ('ddp_optimizer'): torch.compile(ddp_model) "
+    "works with the hook"
+)
+_PYTHON_REDUCER = (
+    "this DDP module was built with torch._dynamo.config.optimize_ddp = 'python_reducer' "
+    "(compiled autograd): DDP would call comm hooks per parameter, which Accordion does "
+    "not support. Build DDP with optimize_ddp at its default ('ddp_optimizer'): "
+    "torch.compile(ddp_model) works with the hook"
 )
 
 

@@ -62,8 +62,9 @@ class FSDPState(Controller):
         **options: the :class:`~accordion.controller.Controller` arguments (compressor,
             levels, rule, interval, statistic, seed, ...); ``process_group`` is the mesh's.
 
-    Every rank of a replicate group sends the same collectives; the ranks of one shard
-    group decide for their own shards (each replicate group agrees on its statistics).
+    A layer's norm (the rule's statistic) is its whole gradient's: the shards' norms
+    are combined over the shard group at each check, so that every rank takes the same
+    decision for a parameter, as under DDP.
     """
 
     def __init__(self, model: nn.Module, mesh: Any, dims: Sequence[str] = ("replicate", "shard"),
@@ -77,6 +78,7 @@ class FSDPState(Controller):
         super().__init__(None, **options)
         self.process_group = replicate
         self._transport = TorchTransport(replicate)
+        self._shard_group = shard
         self.shard_size = dist.get_world_size(shard)
         self.shard_rank = dist.get_rank(shard)
         self._groups = _hooked_groups(model)
@@ -122,6 +124,20 @@ class FSDPState(Controller):
         if layout is self._layouts[0] and self.interval_unit == "epoch":
             self.step += 1  # one group counts the backward passes
         transport.run(self.exchange(keys, grads, world))
+
+    def _agreed_statistics(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The replicas' agreed norms of each shard, combined into the whole parameter's
+        (the square root of the sum of the shards' squares)."""
+        grad_norms, memory_norms = super()._agreed_statistics()
+        if self.shard_size == 1 or not grad_norms:
+            return grad_norms, memory_norms
+        keys = list(grad_norms)
+        squares = [grad_norms[k] ** 2 for k in keys] + [memory_norms[k] ** 2 for k in memory_norms]
+        total = torch.tensor(squares, dtype=torch.float64, device=self.sums.device)
+        dist.all_reduce(total, group=self._shard_group)  # every shard holds the same keys
+        flat = total.sqrt().tolist()
+        grad_norms = dict(zip(keys, flat[: len(keys)]))
+        return grad_norms, dict(zip(memory_norms, flat[len(keys) :]))
 
     def config(self) -> dict[str, Any]:
         """The settings a checkpoint must share: the controller's and this rank's shard."""
