@@ -21,11 +21,12 @@ paper's own code): call ``state.reduce_gradients()`` after ``backward()``; it av
 every ``p.grad`` of the module in place over the process group, with the same
 compression, statistics and decisions as the hook.
 
-The state may be built before the model is wrapped (PyTorch Lightning's
-``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=accordion_hook)``, Hugging Face
-Accelerate): without a module it binds parameters lazily from the buckets it sees and
-names them ``"#0"``, ``"#1"``, ... in order of first appearance (the same order on every
-rank); ``state.bind_module(module)`` names them after the module's parameters.
+Where a framework builds the DDP module, ``state.register(model)`` finds it (inside
+``torch.compile`` too) and registers the hook; ``accordion.integrations`` does it for
+Lightning, Accelerate and the Hugging Face Trainer. A state built without a module binds
+parameters lazily from the buckets it sees and names them ``"#0"``, ``"#1"``, ... in
+order of first appearance (the same order on every rank); ``state.bind_module(module)``
+names them after the module's parameters.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the
