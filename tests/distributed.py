@@ -59,3 +59,17 @@ def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                     p.kill()
             raise TimeoutError(f"distributed workers did not finish within {timeout} s")
     shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def set_torchrun_environment(rank: int, world_size: int) -> None:
+    """Set the variables that ``torchrun`` / ``accelerate launch`` give each worker, for
+    frameworks that read them (Accelerate, the Hugging Face Trainer) in a worker of
+    :func:`run_processes`; ``OMP_NUM_THREADS`` keeps Accelerate from resetting torch's
+    thread count."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from accordion.ddp import AccordionState  # noqa: E402
 from accordion.integrations import accelerate as acc  # noqa: E402
 from accordion.policy import GuardedRule  # noqa: E402
-from distributed import run_processes  # noqa: E402
+from distributed import run_processes, set_torchrun_environment  # noqa: E402
 
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_name] = "1"
@@ -36,15 +36,7 @@ ACCUMULATION = 2
 
 
 def _accelerator(rank: int, world_size: int, **kwargs):
-    # what torchrun / accelerate launch would set; OMP_NUM_THREADS keeps Accelerate from
-    # resetting torch's thread count
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
+    set_torchrun_environment(rank, world_size)
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, **kwargs)

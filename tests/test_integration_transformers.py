@@ -25,7 +25,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from accordion.ddp import AccordionState  # noqa: E402
 from accordion.policy import GuardedRule  # noqa: E402
-from distributed import run_processes  # noqa: E402
+from distributed import run_processes, set_torchrun_environment  # noqa: E402
 
 STEPS = 8
 EPOCHS = 3
@@ -64,13 +64,7 @@ def _model():
 def _trainer(rank, world_size, output_dir, unit="step", data=64, **kwargs):
     """A Trainer of a tiny GPT-2 with the callback attached, and its Accordion state
     checking every 2 steps or every epoch (``unit``)."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
+    set_torchrun_environment(rank, world_size)
     from transformers import Trainer, TrainingArguments
 
     from accordion.integrations.transformers import AccordionTrainerCallback
