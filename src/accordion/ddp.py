@@ -122,7 +122,9 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel:
     for _ in range(8):  # wrappers nest a few deep at most
         if isinstance(seen, DistributedDataParallel):
             return seen
-        inner = getattr(seen, "_orig_mod", None) or getattr(seen, "module", None)
+        inner = getattr(seen, "_orig_mod", None)  # not `or`: an empty Sequential is falsy
+        if inner is None:
+            inner = getattr(seen, "module", None)
         if not isinstance(inner, nn.Module):
             break
         seen = inner

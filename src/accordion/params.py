@@ -62,8 +62,10 @@ class ParameterTable:
                 if self.module is not None:
                     raise ValueError(
                         f"a gradient of shape {tuple(param.shape)} belongs to no parameter "
-                        f"of the bound module ({type(self.module).__name__}): the hook is "
-                        "registered on another model than the state was built for"
+                        f"of the bound module ({type(self.module).__name__}): the gradients "
+                        "come from another model than the state was built for (the hook "
+                        "registered on another DDP module, or reduce_gradients given "
+                        "other parameters)"
                     )
                 key = f"#{len(self.shapes)}"  # same on every rank: buckets are identical
                 self._names[id(param)] = key
