@@ -29,7 +29,7 @@ from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
 from ..compress import PowerSGD, compressor_class
 from ..compress.powersgd import matrix_shape, powersgd_rank
-from ..ddp import AccordionState
+from ..ddp import AccordionState, accordion_hook
 from ..models import get_model
 from ..policy import PaperRule, make_rule
 from .data import (
@@ -267,7 +267,7 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
             seed=config.seed,
             **({"on_rank_change": config.on_rank_change} if config.on_rank_change else {}),
         )
-        state.register(ddp)
+        ddp.register_comm_hook(state, accordion_hook)
         return state
     if strategy.family == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
