@@ -13,7 +13,9 @@ when an epoch or a step ends.
 """
 
 # No `from __future__ import annotations`: a DDP hook's annotations are checked at run time.
+import datetime
 import inspect
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -65,7 +67,8 @@ class Controller:
             the same decision) or ``"mean"`` (statistics averaged over ranks).
         interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
             :meth:`end_step` after every optimizer step).
-        process_group: the group to average over (default: the default group).
+        process_group: the group to average over: ``None`` (the default group) or a
+            ``torch.distributed.ProcessGroup``.
         seed: seed shared by all ranks for the compressor's random state (PowerSGD's Q).
         on_rank_change: PowerSGD's Q at a rank switch: ``"reuse"`` (default) or
             ``"redraw"`` (the paper's scripts). Ignored by compressors without it.
@@ -74,6 +77,9 @@ class Controller:
         rule: the :class:`~accordion.policy.Rule` that decides the rungs. Default:
             ``GuardedRule(eta)``, which walks the ladder one rung at a time (see
             ``docs/hook.md``); ``rule=PaperRule()`` with ``interval=10`` is the paper's.
+        timeout: how long Accordion's collectives wait for the other ranks before they
+            raise, naming the exchange phase. Default: the process group's own timeout
+            (as given to ``init_process_group``).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class Controller:
         on_rank_change: str = "reuse",
         levels: Sequence[Any] | None = None,
         rule: Rule | None = None,
+        timeout: datetime.timedelta | None = None,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
@@ -101,7 +108,8 @@ class Controller:
         self.schedule = Schedule(interval, interval_unit)
         self.ladder = _ladder(cls, mild, aggressive, levels)
         self.compressor_name = cls.name
-        self.process_group = process_group
+        self.process_group = _process_group(process_group)
+        self.timeout = _timeout(timeout)
         self.seed = seed
         self._options = {"seed": seed, "on_rank_change": on_rank_change}
         self.reducer = Reducer(self._new_compressor(), ErrorFeedback())
@@ -115,6 +123,7 @@ class Controller:
         self._decayed = False  # a decay since the last check (Observation.decayed)
         self._observed = False  # a gradient reached observe() since the last end_*()
         self._warned_idle = False  # the "hook never ran" warning is given once
+        self._levels_checked = False  # levels that compress nothing are warned of once
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
         self.sums = GradientSums()
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
@@ -181,6 +190,19 @@ class Controller:
             self.reducer.rename(old, new)
         if renamed:
             self._costs.clear()  # keyed by the old names
+        if not self._levels_checked:
+            self._warn_of_useless_levels()
+
+    def _warn_of_useless_levels(self) -> None:
+        """Warn (once) of a ladder level that compresses no layer of the bound model, e.g.
+        a PowerSGD rank that sends more than dense for every one (see ``level_warning``)."""
+        self._levels_checked = True
+        shapes = [self.params.shapes[k] for k in self._compressed_keys()]
+        for level in dict.fromkeys(self.ladder.levels):
+            message = self.ladder.compressor.level_warning(shapes, level)
+            if message:
+                warnings.warn(f"{message} (levels {list(self.ladder.levels)})",
+                              RuntimeWarning, stacklevel=4)  # fmt: skip
 
     def _world_size(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
@@ -194,7 +216,10 @@ class Controller:
                 # A private copy of the group: the hook's phases are issued from completion
                 # callbacks, and on a shared group they could pair up wrongly with
                 # collectives that DDP (e.g. find_unused_parameters) or the loop issue.
-                self._transport = TorchTransport(private_group(self.process_group))
+                # It inherits the group's timeout (or the state's ``timeout``), so that a
+                # rank that disagrees raises after it instead of blocking for 30 minutes.
+                group = private_group(self.process_group, self.timeout)
+                self._transport = TorchTransport(group)
             else:
                 self._transport = LocalTransport()
         return self._transport
@@ -211,6 +236,8 @@ class Controller:
         and their cost at the current levels to the ledger."""
         reducer = self.reducer
         self._observed = True
+        if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
+            self._warn_of_useless_levels()
         if self._collecting():
             for key, grad in zip(keys, grads):
                 if reducer.compresses(grad, key):
@@ -317,7 +344,8 @@ class Controller:
         """
         if self.interval_unit != "epoch":
             raise ValueError("end_epoch needs interval_unit='epoch'; this state counts steps")
-        decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        counter = ("epoch", self.epoch)
+        decay = self._agreed_decay("end_epoch", counter, optimizer, next_lr, lr_will_decay)
         self._warn_if_idle("end_epoch")
         if not self.adaptive or not self._compressed_keys():  # nothing has a level to pick
             self.epoch += 1
@@ -348,7 +376,8 @@ class Controller:
         """
         if self.interval_unit != "step":
             raise ValueError("end_step needs interval_unit='step'; this state counts epochs")
-        decay = self._decay.decay(DecayDetector.lr_of(optimizer, next_lr), lr_will_decay)
+        counter = ("step", self.step)
+        decay = self._agreed_decay("end_step", counter, optimizer, next_lr, lr_will_decay)
         self._warn_if_idle("end_step")
         self.step += 1
         if not self.adaptive or not self._compressed_keys():
@@ -386,22 +415,49 @@ class Controller:
                 f"no gradient reached the Accordion state during {period}: "
                 "is the hook registered (or reduce_gradients called) every step?"
             )
-        observation = Observation(index, self.interval_unit, decay, grad_norms, memory_norms,
-                                  dict(self._rungs), decay or self._decayed)  # fmt: skip
+        decayed = decay or self._decayed
+        kept_out = self._kept_out(grad_norms, memory_norms, period)
+        usable = {k: v for k, v in grad_norms.items() if k not in kept_out}
+        observation = Observation(index, self.interval_unit, decay, usable,
+                                  {k: v for k, v in memory_norms.items() if k in usable},
+                                  dict(self._rungs), decayed, frozenset(kept_out))  # fmt: skip
         rungs = self.rule.decide(observation, self.ladder)
         if not isinstance(rungs, Mapping):
             raise TypeError(
                 f"{type(self.rule).__name__}.decide must return a Mapping, got {rungs!r}"
             )
-        unknown = [k for k in rungs if k not in grad_norms]
+        unknown = [k for k in rungs if k not in usable]
         if unknown:
             raise ValueError(
                 f"{type(self.rule).__name__}.decide named unknown layers {unknown[:5]}"
             )
         rungs = {k: self.ladder.check_rung(k, r) for k, r in rungs.items()}
-        self._set_rungs(self._agreed_rungs(list(grad_norms), rungs))
+        # a layer without a statistic keeps its rung (the mildest after a decay, as all)
+        kept = {k: 0 if decayed else self._rungs.get(k, 0) for k in kept_out}
+        merged = {k: rungs[k] if k in rungs else kept[k] for k in grad_norms
+                  if k in rungs or k in kept}  # fmt: skip
+        self._set_rungs(self._agreed_rungs(list(grad_norms), merged))
         self.sums.zero()
         self._decayed = False
+
+    def _kept_out(self, grad_norms: Mapping[str, float], memory_norms: Mapping[str, float],
+                  period: str) -> list[str]:  # fmt: skip
+        """The layers whose agreed statistic is not finite, with a ``RuntimeWarning``: the
+        check leaves their rung as it is rather than stop the training."""
+        finite = math.isfinite
+        kept_out = [k for k, v in grad_norms.items()
+                    if not (finite(v) and finite(memory_norms.get(k, 0.0)))]  # fmt: skip
+        if kept_out:
+            where = "rank 0" if self.statistic == "rank0" else "every rank"
+            warnings.warn(
+                f"{period}: the gradient statistic of {len(kept_out)} layer(s), e.g. "
+                f"{kept_out[:3]}, is not finite (every gradient of theirs in the period was "
+                f"non-finite on {where}, or their sum overflowed): they keep their rung "
+                "for this check",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return kept_out
 
     def _agreed_rungs(self, keys: list[str], rungs: dict[str, int]) -> dict[str, int]:
         """Rank 0's decision, on every rank: a rule that decided otherwise elsewhere (it
@@ -436,24 +492,38 @@ class Controller:
 
     def _agreed_statistics(self) -> tuple[dict[str, float], dict[str, float]]:
         """Norms of the accumulated local gradients (and of the memories, when the rule
-        needs them), identical on every rank: one collective through the transport."""
+        needs them), identical on every rank: one collective through the transport.
+
+        A layer whose gradients of the period were all non-finite (so left out of its
+        sum) has no statistic: its norm is NaN when that is so on rank 0 (``"rank0"``)
+        or on every rank (``"mean"``, which averages over the ranks that have one).
+        """
         keys = self.sums.keys_in(self.params.shapes)
         if not keys:
             return {}, {}
-        values = self.sums.norms(keys)
+        grads = self.sums.norms(keys)
+        valid = torch.stack(self.sums.valid(keys)).double()
+        norms = torch.stack(grads).double()
+        transport = self.transport()
+        mean = self.statistic == "mean" and transport.world_size > 1
+        # with "mean", a rank without a statistic adds 0 and is not counted
+        norms = norms * valid if mean else norms.masked_fill(valid == 0, math.nan)
+        parts = [norms, valid]
         with_memory = "memory_norms" in self.rule.needs
         if with_memory:
-            values += [_norm(self.reducer.memory.get(k), values[0]) for k in keys]
-        norms = torch.stack(values).double()
-        transport = self.transport()
+            parts.append(torch.stack([_norm(self.reducer.memory.get(k), grads[0])
+                                      for k in keys]).double())  # fmt: skip
+        values = torch.cat(parts)
         if transport.world_size > 1:
-            op = Broadcast(norms, 0) if self.statistic == "rank0" else AllReduce(norms)
+            op = Broadcast(values, 0) if self.statistic == "rank0" else AllReduce(values)
             transport.run(_single(op))
-            if self.statistic == "mean":
-                norms /= transport.world_size
-        flat = norms.tolist()
-        grad_norms = dict(zip(keys, flat[: len(keys)]))
-        return grad_norms, dict(zip(keys, flat[len(keys) :])) if with_memory else {}
+        n = len(keys)
+        if mean:
+            values[:n] /= values[n : 2 * n]  # 0 / 0 = NaN: no rank has a statistic
+            values[2 * n :] /= transport.world_size
+        flat = values.tolist()
+        grad_norms = dict(zip(keys, flat[:n]))
+        return grad_norms, dict(zip(keys, flat[2 * n :])) if with_memory else {}
 
     def critical(self) -> dict[str, bool]:
         """Per layer of the decision in force: whether it is at the mildest rung."""
@@ -490,7 +560,10 @@ class Controller:
         sent dense), ``shape``, ``floats`` (paper convention) and ``bytes`` (wire) sent so
         far by this rank; ``checks`` is the rule's history (the paper rule: per check and
         layer, the old norm, new norm, ratio (``None`` for infinity) and the decision);
-        ``dense_floats`` is what ``total_floats`` would be uncompressed.
+        ``dense_floats`` is what ``total_floats`` would be uncompressed;
+        ``non_finite_steps`` counts the exchanges whose average held an inf or NaN, and
+        ``statistic_skipped_steps`` per layer the local gradients left out of the
+        statistic because they did (a host sync: it reads device counters).
         """
         comp = self.reducer.compressor
         totals = self.ledger.totals()
@@ -515,6 +588,7 @@ class Controller:
             "total_bytes": self.ledger.total_bytes,
             "dense_floats": self.dense_floats(),
             "non_finite_steps": self.reducer.non_finite_steps,
+            "statistic_skipped_steps": self.sums.skipped_steps(),
             "dense_keys": self.dense_keys,
             "calibration": self.calibration,
             "layers": layers,
@@ -562,20 +636,21 @@ class Controller:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by the same rank of a job with the same world
         size, model and configuration (checkpoints of format 1, written before the policy
-        layer, are read too); anything else raises ``ValueError`` and leaves this state as
-        it was: every part is loaded into a fresh object first, and swapped in at the end."""
+        layer, are read too); anything else raises ``ValueError`` naming the bad entry
+        (a missing or unknown key, a shape, a level off the ladder, a type) and leaves
+        this state as it was: every part is checked and loaded into a fresh object
+        first, and swapped in at the end."""
         state = checkpoint.upgrade(state)
         world = self._world_size()
         rank = dist.get_rank(self.process_group) if world > 1 else 0
+        _check_entries(state, self.config())
         checkpoint.check_owner(state, world, rank, self.config())
-        try:
-            parts = self._loaded_parts(state)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"the checkpoint is malformed: {exc!r}") from None
+        shapes = _entry("shapes", _loaded_shapes, state["shapes"])
         previous = self.params.expected
-        self.params.expect(state["shapes"])  # restores itself when it raises
+        self.params.expect(shapes)  # the model first; restores itself when it raises
         try:
-            self.rule.load_state_dict(state["rule"])
+            parts = self._loaded_parts(state, shapes)
+            _entry("rule", self.rule.load_state_dict, state["rule"])  # checks all first
         except BaseException:
             self.params.expected = previous
             raise
@@ -583,28 +658,174 @@ class Controller:
         self.epoch, self.step, self._decay.last_lr, self._decay.reference, self._decayed = counters
         self._costs.clear()
 
-    def _loaded_parts(self, state: Mapping[str, Any]) -> tuple:
-        """The reducer, sums, ledger, rungs and counters of ``state``, as new objects."""
-        reducer = Reducer(self._new_compressor(), ErrorFeedback())
-        reducer.load_state_dict(state["reducer"])
+    def _loaded_parts(self, state: Mapping[str, Any], shapes: Mapping[str, tuple]) -> tuple:
+        """The reducer, sums, ledger, rungs and counters of ``state``, as new objects,
+        each checked against the checkpoint's ``shapes`` and this state's ladder."""
+        reducer = _entry("reducer", self._loaded_reducer, state["reducer"], shapes)
         sums = GradientSums()
-        sums.load_state_dict(state["accumulators"])
-        ledger = Ledger()
-        ledger.load_state_dict(state["ledger"])
-        if not isinstance(state["rungs"], Mapping):
-            raise ValueError(f"the checkpoint's rungs must be a Mapping, got {state['rungs']!r}")
-        rungs = {k: self.ladder.check_rung(k, r) for k, r in state["rungs"].items()}
-        # decay_reference is absent from files written before the guarded rule
-        given = (("last_lr", state["last_lr"]), ("decay_reference", state.get("decay_reference")))
-        rates = [None if rate is None else check_number(f"the checkpoint's {key}", rate, minimum=0)
-                 for key, rate in given]  # fmt: skip
+        _entry("accumulators", sums.load_state_dict, state["accumulators"])
+        _entry("accumulators", sums.check_shapes, shapes)
+        ledger = _entry("ledger", _loaded_ledger, state["ledger"], shapes)
+        rungs = _entry("rungs", self._loaded_rungs, state["rungs"], shapes)
+        # decay_reference and decayed are absent from files written before the guarded rule
+        rates = [_entry(key, _loaded_rate, key, state.get(key))
+                 for key in ("last_lr", "decay_reference")]  # fmt: skip
         counters = (
-            check_int("the checkpoint's epoch", state["epoch"], 0),
-            check_int("the checkpoint's step", state["step"], 0),
+            _entry("epoch", check_int, "the checkpoint's epoch", state["epoch"], 0),
+            _entry("step", check_int, "the checkpoint's step", state["step"], 0),
             *rates,
-            check_bool("the checkpoint's decayed", state.get("decayed", False)),
+            _entry("decayed", check_bool, "the checkpoint's decayed", state.get("decayed", False)),
         )
         return reducer, sums, ledger, rungs, counters
+
+    def _loaded_reducer(self, state: Any, shapes: Mapping[str, tuple]) -> Reducer:
+        """A new reducer from ``state``, whose levels are all on this state's ladder."""
+        reducer = Reducer(self._new_compressor(), ErrorFeedback())
+        reducer.load_state_dict(state)
+        reducer.check_shapes(shapes)
+        saved = reducer.compressor.state_dict()
+        levels = {"default_level": saved["default_level"],
+                  **{f"levels[{k!r}]": v for k, v in saved["levels"].items()}}  # fmt: skip
+        for name, level in levels.items():
+            if level not in self.ladder.levels:
+                raise ValueError(f"compressor {name} is {level!r}, which is not on this state's "
+                                 f"ladder {list(self.ladder.levels)}")  # fmt: skip
+        return reducer
+
+    def _loaded_rungs(self, rungs: Any, shapes: Mapping[str, tuple]) -> dict[str, int]:
+        """The checkpoint's rungs: a rung of this ladder for a parameter of ``shapes``."""
+        if not isinstance(rungs, Mapping):
+            raise ValueError(f"the checkpoint's rungs must be a Mapping, got {rungs!r:.80}")
+        unknown = [k for k in rungs if k not in shapes]
+        if unknown:
+            raise ValueError(f"rungs {unknown[:5]} are for no parameter of shapes")
+        return {k: self.ladder.check_rung(k, r) for k, r in rungs.items()}
+
+    def _agreed_decay(self, call: str, counter: tuple[str, int], optimizer: Any,
+                      next_lr: Any, lr_will_decay: bool | None) -> bool:  # fmt: skip
+        """Whether the rate decays at this ``call``, once every rank has shown the same
+        ``counter``, learning rate and decay (one all-gather; see ``accordion.agreement``).
+
+        Ranks that disagree would pick different levels and fail (or hang) at the next
+        step; they raise here instead, every one of them, and the state stays as it was:
+        the detector's memory of the rate is restored when the agreement fails.
+        """
+        from .agreement import agreement_device, check_agreement  # only this method uses it
+
+        lr = DecayDetector.lr_of(optimizer, next_lr)
+        detector = self._decay
+        saved = (detector.last_lr, detector.reference)
+        decay = detector.decay(lr, lr_will_decay)
+        try:
+            transport = self.transport()
+            device = agreement_device(transport, self._gradient_device())
+            check_agreement(transport, call, counter, lr, decay, device)
+        except BaseException:
+            detector.last_lr, detector.reference = saved  # a failed call changes nothing
+            raise
+        return decay
+
+    def _gradient_device(self) -> torch.device | None:
+        """The device of the gradients seen so far (or of the bound module), if known."""
+        if self.sums.device is not None:
+            return self.sums.device
+        module = self.params.module
+        first = next(module.parameters(), None) if module is not None else None
+        return None if first is None else first.device
+
+
+#: The top-level entries of :meth:`Controller.state_dict` (files written before the
+#: guarded rule lack the last two).
+_ENTRIES = frozenset(
+    "format world_size rank config shapes reducer accumulators rule rungs ledger epoch step "
+    "last_lr decay_reference decayed".split()
+)
+
+
+def _timeout(timeout: Any) -> datetime.timedelta | None:
+    if timeout is None:
+        return None
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timeout
+
+
+def _process_group(group: Any) -> Any:
+    """``group`` if it is ``None`` or a ``ProcessGroup``; else a ``TypeError`` now rather
+    than a bare ``KeyError`` at the first backward."""
+    if group is None or (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        return group
+    raise TypeError(
+        "process_group must be None (the default group) or a "
+        f"torch.distributed.ProcessGroup (e.g. from dist.new_group), got "
+        f"{type(group).__name__} {group!r:.60}"
+    )
+
+
+def _entry(name: str, load, *args: Any) -> Any:
+    """``load(*args)`` for the checkpoint's entry ``name``; any error in it becomes a
+    ``ValueError`` that names the entry."""
+    try:
+        return load(*args)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError | IndexError) and exc.args else exc
+        kind = "lacks the key" if isinstance(exc, KeyError) else "is malformed:"
+        raise ValueError(f"the checkpoint's {name} {kind} {message!s}") from None
+
+
+def _check_entries(state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for an unknown top-level entry, or a configuration whose keys
+    are not this state's (values are compared by ``checkpoint.check_owner``)."""
+    unknown = sorted(set(state) - _ENTRIES, key=repr)
+    if unknown:
+        raise ValueError(f"the checkpoint has unknown entries {unknown}")
+    saved = state["config"]
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"the checkpoint's config must be a Mapping, got {saved!r:.80}")
+    missing, extra = sorted(set(config) - set(saved)), sorted(set(saved) - set(config), key=repr)
+    if missing or extra:
+        raise ValueError(f"the checkpoint's config lacks keys {missing} and has unknown keys "
+                         f"{extra}")  # fmt: skip
+
+
+def _loaded_shapes(shapes: Any) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's parameter shapes: key -> sequence of ints >= 0."""
+    if not isinstance(shapes, Mapping):
+        raise ValueError(f"shapes must be a Mapping, got {type(shapes).__name__}")
+    checked = {}
+    for key, shape in shapes.items():
+        if not isinstance(key, str) or isinstance(shape, str | bytes) or not isinstance(
+            shape, Sequence
+        ) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"shapes[{key!r}] must be a list of ints >= 0, got {shape!r:.80}")
+        checked[key] = tuple(shape)
+    return checked
+
+
+def _loaded_ledger(state: Any, shapes: Mapping[str, tuple]) -> Ledger:
+    """The checkpoint's ledger: per parameter of ``shapes``, counts of floats, bytes and
+    steps (numbers >= 0)."""
+    if not isinstance(state, Mapping) or set(state) != {"layers"}:
+        raise ValueError("ledger must be {'layers': {name: {'floats', 'bytes', 'steps'}}}")
+    for name, totals in state["layers"].items():
+        if name not in shapes:
+            raise ValueError(f"ledger layers[{name!r}] is for no parameter of shapes")
+        if not isinstance(totals, Mapping) or set(totals) != {"floats", "bytes", "steps"}:
+            raise ValueError(f"ledger layers[{name!r}] must hold exactly 'floats', 'bytes', "
+                             f"'steps', got {totals!r:.80}")  # fmt: skip
+        check_int(f"ledger layers[{name!r}]['floats']", totals["floats"], 0)
+        check_int(f"ledger layers[{name!r}]['steps']", totals["steps"], 0)
+        check_number(f"ledger layers[{name!r}]['bytes']", totals["bytes"], minimum=0)
+    ledger = Ledger()
+    ledger.load_state_dict(state)
+    return ledger
+
+
+def _loaded_rate(key: str, rate: Any) -> float | None:
+    """A learning rate remembered by the checkpoint: ``None`` or a finite number >= 0."""
+    return None if rate is None else check_number(f"the checkpoint's {key}", rate, minimum=0)
 
 
 def _ladder(cls, mild: Any, aggressive: Any, levels: Sequence[Any] | None) -> Ladder:

@@ -66,6 +66,10 @@ class Compressor(ABC):
     level_type: ClassVar[Callable[[str], Any]] = str
     #: The compressor's name in prose ("PowerSGD").
     title: ClassVar[str] = ""
+    #: The keys of :meth:`state_dict` (subclasses with more state add theirs), and keys
+    #: that older checkpoints may lack.
+    STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"kind", "default_level", "levels"})
+    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, level: Any = None):
         self.default_level = self.check_level(level)
@@ -114,6 +118,12 @@ class Compressor(ABC):
     def applies_to(cls, shape: Sequence[int]) -> bool:
         """Whether tensors of this shape go through the compressor (else they go dense)."""
         return len(shape) >= 2
+
+    @classmethod
+    def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
+        """Why ``level`` would be pointless for a model whose compressed tensors have
+        ``shapes`` (e.g. it sends more than dense for every one), or ``None``."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -180,15 +190,47 @@ class Compressor(ABC):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a different compressor is an error."""
+        """Restore a :meth:`state_dict`; anything else (another compressor, a missing or
+        unknown key, a bad level) raises ``ValueError`` naming it and changes nothing."""
+        self.default_level, self._levels = self._checked_levels(state)
+
+    def _checked_levels(self, state: Any) -> tuple[Any, dict[Hashable, Any]]:
+        """Validate a state's kind and keys (``STATE_KEYS``); return its levels."""
         if not isinstance(state, Mapping) or state.get("kind") != self.name:
             got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"state is for compressor kind {got!r}, not {self.name!r}")
-        self.default_level = self.check_level(state["default_level"])
-        self._levels = {key: self.check_level(v) for key, v in state["levels"].items()}
+        missing = sorted(self.STATE_KEYS - set(state))
+        unknown = sorted(set(state) - self.STATE_KEYS - self.OPTIONAL_STATE_KEYS, key=repr)
+        if missing or unknown:
+            raise ValueError(
+                f"state is not a {type(self).__name__} state_dict: missing keys {missing}, "
+                f"unknown keys {unknown}"
+            )
+        levels = state["levels"]
+        if not isinstance(levels, Mapping):
+            raise ValueError(f"compressor levels must be a Mapping, got {type(levels).__name__}")
+        default = _loaded_level(self, "default_level", state["default_level"])
+        return default, {k: _loaded_level(self, f"levels[{k!r}]", v) for k, v in levels.items()}
+
+    def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
+        """Raise ``ValueError`` unless the state held for each key (its level, any
+        factors) fits a tensor of ``shapes[key]`` (a loaded checkpoint's consistency)."""
+        for key in self._levels:
+            if key not in shapes or not self.applies_to(shapes[key]):
+                raise ValueError(
+                    f"compressor levels[{key!r}] is for no tensor that {self.name} compresses"
+                )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.default_level!r})"
+
+
+def _loaded_level(compressor: Compressor, name: str, level: Any) -> Any:
+    """``level`` checked as a level of ``compressor``; ``ValueError`` naming ``name``."""
+    try:
+        return compressor.check_level(level)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"compressor {name}: {exc}") from None
 
 
 _REGISTRY: dict[str, type[Compressor]] = {}

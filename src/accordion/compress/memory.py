@@ -65,10 +65,35 @@ class ErrorFeedback:
         return {"memory": {key: t.clone() for key, t in self._memory.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore memories saved by :meth:`state_dict`."""
-        if not isinstance(state, Mapping) or "memory" not in state:
-            raise ValueError("state must come from ErrorFeedback.state_dict() (key 'memory')")
-        self._memory = {key: t.clone() for key, t in state["memory"].items()}
+        """Restore memories saved by :meth:`state_dict`; anything else raises
+        ``ValueError`` naming the bad entry, and changes nothing."""
+        if not isinstance(state, Mapping) or set(state) != {"memory"}:
+            got = sorted(state, key=repr) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"state must come from ErrorFeedback.state_dict() (exactly the key 'memory'), "
+                f"got {got}"
+            )
+        memory = state["memory"]
+        if not isinstance(memory, Mapping):
+            raise ValueError(f"memory must be a Mapping, got {type(memory).__name__}")
+        for key, t in memory.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"memory[{key!r}] must be a floating-point tensor")
+            # the reducer never keeps a non-finite residual: one would poison every step
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"memory[{key!r}] holds an inf or NaN")
+        self._memory = {key: t.clone() for key, t in memory.items()}
+
+    def check_shapes(self, shapes: Mapping[Hashable, Any]) -> None:
+        """Raise ``ValueError`` unless each memory has the shape of its tensor."""
+        for key, t in self._memory.items():
+            if key not in shapes:
+                raise ValueError(f"memory[{key!r}] belongs to no tensor of shapes")
+            if tuple(t.shape) != tuple(shapes[key]):
+                raise ValueError(
+                    f"memory[{key!r}] has shape {tuple(t.shape)}, its tensor "
+                    f"{tuple(shapes[key])}"
+                )
 
 
 class NoMemory:
@@ -100,3 +125,6 @@ class NoMemory:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Nothing to restore."""
+
+    def check_shapes(self, shapes: Mapping[Hashable, Any]) -> None:
+        """Nothing to check."""

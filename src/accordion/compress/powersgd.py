@@ -14,10 +14,22 @@ from .base import Compressor, Result, check_shape, register
 from .transport import AllReduce, Exchange
 from .wire import Message
 
+#: The largest PowerSGD rank accepted. A rank ``r`` sends less than dense for an ``n x m``
+#: matrix only if ``r < n m / (n + m)``, which is below ``min(n, m)``: a rank above 2**16
+#: compresses only matrices with both sides above 65536 (over 2**32 entries). Anything
+#: larger (``mild=10**9``) is a mistake, refused before it sends more than dense.
+MAX_RANK = 2**16
+
 
 def check_rank(rank: Any) -> int:
-    """Validate a PowerSGD rank (an int >= 1, not a bool) and return it as an int."""
-    return check_int("rank", rank, 1)
+    """Validate a PowerSGD rank (an int in [1, ``MAX_RANK``], not a bool) and return it."""
+    rank = check_int("rank", rank, 1)
+    if rank > MAX_RANK:
+        raise ValueError(
+            f"rank must be an int >= 1 and <= {MAX_RANK} (a larger rank compresses no "
+            f"tensor of under 2**32 entries: it sends more than dense), got {rank!r}"
+        )
+    return rank
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -102,7 +114,9 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     default_levels = (2, 1)
-    level_help = "an integer rank >= 1"
+    level_help = f"an integer rank >= 1 (and <= {MAX_RANK})"
+    STATE_KEYS = Compressor.STATE_KEYS | {"seed", "q", "q_level"}
+    OPTIONAL_STATE_KEYS = frozenset({"on_rank_change"})  # absent in older checkpoints
     level_type = int
     title = "PowerSGD"
     RANK_CHANGE_POLICIES = ("redraw", "reuse")
@@ -129,6 +143,22 @@ class PowerSGD(Compressor):
     @classmethod
     def label(cls, level: Any) -> str:
         return f"rank {level}"
+
+    @classmethod
+    def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
+        """A warning when rank ``level`` sends at least as much as dense (``(n + m) r' >=
+        n m``) for every one of ``shapes``: it compresses nothing, and costs more."""
+        rank = check_rank(level)
+        shapes = [s for s in shapes if cls.applies_to(s)]
+        sizes = [(matrix_shape(s), powersgd_rank(s, rank)) for s in shapes]
+        if not sizes or any((n + m) * r < n * m for (n, m), r in sizes):
+            return None
+        widest = max(min(n, m) for (n, m), _ in sizes)
+        return (
+            f"PowerSGD rank {rank} sends at least as much as dense for every compressed "
+            f"tensor of this model (their largest smaller side is {widest}; a rank r saves "
+            "only while r < n m / (n + m)): choose a lower rank"
+        )
 
     @classmethod
     def aggressiveness(cls, level: Any) -> float:
@@ -280,9 +310,57 @@ class PowerSGD(Compressor):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.seed = int(state["seed"])
-        self.on_rank_change = state.get("on_rank_change", self.on_rank_change)
-        self._q = {key: q.clone() for key, q in state["q"].items()}
-        self._q_level = {key: int(v) for key, v in state["q_level"].items()}
+        """Restore a :meth:`state_dict`: everything is checked (``ValueError`` naming the
+        bad entry) before anything changes."""
+        default, levels = self._checked_levels(state)
+        seed = state["seed"]
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"compressor seed must be an int, got {seed!r}")
+        on_rank_change = state.get("on_rank_change", self.on_rank_change)
+        if on_rank_change not in self.RANK_CHANGE_POLICIES:
+            raise ValueError(f"compressor on_rank_change must be one of "
+                             f"{self.RANK_CHANGE_POLICIES}, got {on_rank_change!r}")  # fmt: skip
+        q, q_level = _loaded_factors(state["q"], state["q_level"])
+        self.default_level, self._levels = default, levels
+        self.seed, self.on_rank_change = seed, on_rank_change
+        self._q, self._q_level = q, q_level
         self._seed_q.clear()
+
+    def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
+        """Also raise ``ValueError`` unless each warm-start Q is ``m x r'`` for its tensor
+        (``r'`` the effective rank at the level Q was made at)."""
+        super().check_shapes(shapes)
+        for key, q in self._q.items():
+            shape = shapes.get(key)
+            if shape is None or not self.applies_to(shape):
+                raise ValueError(f"compressor q[{key!r}] is for no tensor PowerSGD compresses")
+            expected = (matrix_shape(shape)[1], powersgd_rank(shape, self._q_level[key]))
+            if tuple(q.shape) != expected:
+                raise ValueError(
+                    f"compressor q[{key!r}] has shape {tuple(q.shape)}, but a tensor of shape "
+                    f"{tuple(shapes[key])} at rank {self._q_level[key]} needs {expected}"
+                )
+
+
+def _loaded_factors(q: Any, q_level: Any) -> tuple[dict[Hashable, torch.Tensor], dict]:
+    """A checkpoint's warm-start factors, checked and cloned: finite floating-point
+    matrices, each with the rank it was made at (``check_shapes`` checks their shapes)."""
+    if not isinstance(q, Mapping) or not isinstance(q_level, Mapping):
+        raise ValueError("compressor q and q_level must be Mappings keyed by tensor")
+    if set(q) != set(q_level):
+        raise ValueError(
+            f"compressor q and q_level must have the same keys, got {sorted(q, key=repr)} "
+            f"and {sorted(q_level, key=repr)}"
+        )
+    levels = {}
+    for key, factor in q.items():
+        if not (isinstance(factor, torch.Tensor) and factor.is_floating_point()
+                and factor.dim() == 2):  # fmt: skip
+            raise ValueError(f"compressor q[{key!r}] must be a 2-D floating-point tensor")
+        if not bool(torch.isfinite(factor).all()):  # PowerSGD never keeps a non-finite Q
+            raise ValueError(f"compressor q[{key!r}] holds an inf or NaN")
+        try:
+            levels[key] = check_rank(q_level[key])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"compressor q_level[{key!r}]: {exc}") from None
+    return {k: f.clone() for k, f in q.items()}, levels

@@ -15,6 +15,9 @@ from .wire import check_world_size
 
 #: Sets of keys (DDP buckets, say) whose input buffers are kept between steps.
 _MAX_BUFFER_SETS = 256
+#: The keys of a state_dict, and all it may hold (older ones lack the last two).
+_STATE_KEYS = frozenset({"compressor", "memory"})
+_ALL_STATE_KEYS = _STATE_KEYS | {"dense_keys", "non_finite_steps"}
 
 
 class Reducer:
@@ -92,14 +95,42 @@ class Reducer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a different compressor is a ``ValueError``."""
-        if not isinstance(state, Mapping) or not {"compressor", "memory"} <= state.keys():
-            raise ValueError("state must come from Reducer.state_dict() (keys 'compressor', "
-                             "'memory', 'dense_keys', 'non_finite_steps')")  # fmt: skip
-        self.compressor.load_state_dict(state["compressor"])
-        self.memory.load_state_dict(state["memory"])
-        self.set_dense(state.get("dense_keys", []))
-        self.non_finite_steps = int(state.get("non_finite_steps", 0))
+        """Restore a :meth:`state_dict`. Anything else (a different compressor, a missing
+        or unknown key, a bad value) raises ``ValueError`` naming it, and changes nothing:
+        every part is checked before any is replaced."""
+        given = set(state) if isinstance(state, Mapping) else set()
+        missing, unknown = sorted(_STATE_KEYS - given), sorted(given - _ALL_STATE_KEYS, key=repr)
+        if not isinstance(state, Mapping) or missing or unknown:
+            raise ValueError(
+                "state must come from Reducer.state_dict() (keys 'compressor', 'memory', "
+                f"'dense_keys', 'non_finite_steps'): missing keys {missing}, unknown keys "
+                f"{unknown}"
+            )
+        dense = state.get("dense_keys", [])
+        try:
+            if isinstance(dense, str | bytes | Mapping):
+                raise TypeError
+            dense = set(dense)  # the keys must be hashable
+        except TypeError:
+            raise ValueError(f"dense_keys must be a list of keys, got {dense!r}") from None
+        count = state.get("non_finite_steps", 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"non_finite_steps must be an int >= 0, got {count!r}")
+        memory = type(self.memory)()  # loaded apart: the compressor's load may still fail
+        memory.load_state_dict(state["memory"])
+        self.compressor.load_state_dict(state["compressor"])  # checks all before changing
+        self.memory = memory
+        self.dense_keys = dense
+        self.non_finite_steps = count
+
+    def check_shapes(self, shapes: Mapping[Hashable, Any]) -> None:
+        """Raise ``ValueError`` unless the compressor's state, the memories and the dense
+        keys fit tensors of ``shapes`` (a loaded checkpoint's consistency)."""
+        self.compressor.check_shapes(shapes)
+        self.memory.check_shapes(shapes)
+        unknown = [k for k in self.dense_keys if k not in shapes]
+        if unknown:
+            raise ValueError(f"dense_keys {unknown[:5]} belong to no tensor of shapes")
 
     def exchange(
         self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int

@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -273,7 +274,9 @@ class TorchTransport:
     def run(self, exchange: Exchange[T]) -> T:
         """Run an exchange to completion, blocking, and return its result.
 
-        It waits its turn behind exchanges already started with :meth:`run_async`.
+        It waits its turn behind exchanges already started with :meth:`run_async`. A
+        failed collective (the group's timeout, ranks asking for different sizes) raises
+        :class:`CollectiveError`, naming the phase; :meth:`run_async`'s future holds it.
         """
         return self.run_async(exchange).wait()
 
@@ -313,7 +316,7 @@ class TorchTransport:
             else:
                 done.set_exception(error)
 
-        def advance(reply: Any) -> None:
+        def advance(reply: Any, number: int) -> None:
             # Completion callbacks run on the backend's threads, whose OpenMP pools have
             # the machine's default size: without this, their kernels oversubscribe the
             # cores and reduce in a different order (results not reproducible).
@@ -321,12 +324,16 @@ class TorchTransport:
                 torch.set_num_threads(self._threads)
             try:
                 phase = exchange.send(reply)
-                futures, collect = self._issue_phase(phase)
             except StopIteration as stop:
                 finish(stop.value)
                 return
-            except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+            except BaseException as exc:  # noqa: BLE001 - the compressor's own error
                 finish(error=exc)
+                return
+            try:
+                futures, collect = self._issue_phase(phase)
+            except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+                finish(error=self._phase_error(number, phase, exc))
                 return
 
             def on_phase_done(fut: torch.futures.Future) -> None:
@@ -335,33 +342,94 @@ class TorchTransport:
                         each.wait()  # raises the collective's error, if any
                     reply = collect()
                 except BaseException as exc:  # noqa: BLE001
-                    finish(error=exc)
+                    finish(error=self._phase_error(number, phase, exc))
                     return
-                advance(reply)
+                advance(reply, number + 1)
 
             torch.futures.collect_all(futures).then(on_phase_done)
 
-        advance(None)
+        advance(None, 1)
+
+    def _phase_error(self, number: int, phase: list[Collective], exc: BaseException) -> Exception:
+        """``exc`` (a collective's failure: a timeout, ranks asking for different sizes)
+        wrapped in an error that says which phase of which rank failed, chained to it.
+        A bare gloo or NCCL error names neither, and a hang that ends in a timeout is
+        otherwise hard to trace back to the exchange that the ranks disagreed on."""
+        try:
+            rank = f"rank {self._dist.get_rank()}"
+        except Exception:  # noqa: BLE001 - the group may be gone after a failure
+            rank = "this rank"
+        error = CollectiveError(
+            f"Accordion's exchange phase {number} ({describe_phase(phase)}) failed on "
+            f"{rank} (world size {self.world_size}): {exc}"
+        )
+        error.__cause__ = exc  # the future re-raises this object: keep the chain
+        return error
 
 
-_PRIVATE_GROUPS: dict[tuple[int, tuple[int, ...] | None], Any] = {}
+class CollectiveError(RuntimeError):
+    """A collective of an exchange failed (see :meth:`TorchTransport.run`); the message
+    names the phase and the rank, ``__cause__`` is the backend's error."""
 
 
-def private_group(process_group: Any) -> Any:
-    """A process group with the ranks of ``process_group``, used only by Accordion.
+def describe_phase(phase: Sequence[Collective]) -> str:
+    """A phase in words, per kind of collective: ``"AllReduce of 3 tensors, 1,234
+    elements; AllGather of 1 tensor, 10 elements"``."""
+    kinds: dict[str, list[int]] = {}
+    for op in phase:
+        count = kinds.setdefault(type(op).__name__, [0, 0])
+        count[0] += 1
+        count[1] += op.tensor.numel()
+    parts = [f"{kind} of {n} tensor{'' if n == 1 else 's'}, {numel:,} elements"
+             for kind, (n, numel) in kinds.items()]  # fmt: skip
+    return "; ".join(parts) or "no collectives"
 
-    Created once per set of ranks (``new_group`` is collective: every rank creates them
-    in the same order, so the cache stays consistent across ranks).
+
+_PRIVATE_GROUPS: dict[tuple[int, tuple[int, ...] | None, timedelta | None], Any] = {}
+
+
+def group_timeout(process_group: Any = None) -> timedelta | None:
+    """The timeout that ``process_group`` (default: the default group) was created with,
+    or ``None`` where the backend does not tell.
+
+    ``torch.distributed`` keeps no public record of it: a group's backend (gloo, NCCL)
+    carries it in its options (``options._timeout``, torch 2.x).
     """
     import torch.distributed as dist
 
+    group = process_group if process_group is not None else dist.group.WORLD
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
+    """A process group with the ranks of ``process_group``, used only by Accordion.
+
+    Its collectives time out after ``timeout``, by default ``process_group``'s own (the
+    default group's, for ``None``): ``new_group`` would otherwise give it the backend's
+    default (30 minutes for gloo), and a rank that disagrees would block the others for
+    that long, whatever timeout the job set. Created once per set of ranks and timeout
+    (``new_group`` is collective: every rank creates them in the same order, so the
+    cache stays consistent across ranks).
+    """
+    import torch.distributed as dist
+
+    if timeout is None:
+        timeout = group_timeout(process_group)
     ranks = None
     if process_group is not None:
         ranks = tuple(dist.get_process_group_ranks(process_group))
     # keyed by the default group too: a re-initialised job must not reuse stale groups
-    key = (id(dist.group.WORLD), ranks)
+    key = (id(dist.group.WORLD), ranks, timeout)
     group = _PRIVATE_GROUPS.get(key)
     if group is None:
-        group = dist.new_group(ranks=list(ranks) if ranks is not None else None)
+        group = dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout)
         _PRIVATE_GROUPS[key] = group
     return group

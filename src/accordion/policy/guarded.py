@@ -26,12 +26,13 @@ where they were, and the same switch to rank 1 after the first decay does no har
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from .._validate import check_bool, check_int
 from .ladder import Ladder
-from .rules import Observation, Rule, check_eta
+from .rules import Observation, Rule, check_eta, check_rule_state, kept_norms, loaded_norms
 from .schedule import check_drop
 
 #: The guarded rule's default decay threshold: a fall of the lr to half or less.
@@ -103,7 +104,7 @@ class GuardedRule(Rule):
         rungs, layers = {}, {}
         for name, new in observation.grad_norms.items():
             rungs[name], layers[name] = self._layer(name, new, observation, ladder)
-        self.norms = dict(observation.grad_norms)
+        self.norms = kept_norms(self.norms, observation)
         self.history.append(
             {"epoch": observation.index, "lr_will_decay": observation.lr_will_decay,
              "decayed": observation.decayed, "layers": layers}
@@ -119,7 +120,9 @@ class GuardedRule(Rule):
     ) -> tuple[int, dict[str, Any]]:
         """One layer's rung and its history record."""
         old = self.norms.get(name)
-        ratio = None if old is None or old == 0 else abs(old - new) / old
+        # an old norm that is not finite (saved before the finite check) compares with nothing
+        comparable = old is not None and old != 0 and math.isfinite(old)
+        ratio = abs(old - new) / old if comparable else None
         current = observation.rungs.get(name, 0)
         limit = min(self.limits.get(name, ladder.top), self._floor(ladder))
         relapse = False
@@ -167,27 +170,46 @@ class GuardedRule(Rule):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` naming the bad entry (and nothing
+        changed) for anything else."""
         try:
-            norms = {str(k): float(v) for k, v in state["norms"].items()}
-            limits = {str(k): _rung(v) for k, v in state["limits"].items()}
-            probation = {str(k) for k in state["probation"]}
-            decays = _rung(state["decays"])
-            # lifts and relapses: absent from states written before ``block``
-            lifts = {str(k): _rung(v) for k, v in state.get("lifts", {}).items()}
-            relapses = {str(k): _rung(v) for k, v in state.get("relapses", {}).items()}
-            if not set(lifts) <= set(limits):
-                raise ValueError("a block to lift must be a block")
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise ValueError(
-                "state must come from GuardedRule.state_dict() "
-                "(keys 'norms', 'limits', 'probation', 'decays', 'history')"
-            ) from None
-        super().load_state_dict(state)
+            norms, limits, probation, decays, lifts, relapses = _loaded(state)
+            super().load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(f"state must come from GuardedRule.state_dict(): {exc}") from None
         self.norms, self.limits, self.probation, self.decays = norms, limits, probation, decays
         self.lifts, self.relapses = lifts, relapses
 
 
-def _rung(value: Any) -> int:
+def _loaded(state: Any) -> tuple:
+    """A state's norms, limits, probation, decays, lifts and relapses, checked."""
+    # lifts and relapses: absent from states written before ``block``
+    check_rule_state(state, "GuardedRule", _STATE_KEYS, frozenset({"lifts", "relapses"}))
+    norms = loaded_norms(state["norms"], "GuardedRule")
+    limits = _counts(state["limits"], "limits")
+    probation = state["probation"]
+    if isinstance(probation, str | Mapping) or not isinstance(probation, list | tuple | set):
+        raise ValueError(f"probation must be a list of layers, got {probation!r}")
+    decays = _count(state["decays"], "decays")
+    lifts = _counts(state.get("lifts", {}), "lifts")
+    relapses = _counts(state.get("relapses", {}), "relapses")
+    if not set(lifts) <= set(limits):
+        raise ValueError(f"lifts {sorted(set(lifts) - set(limits))} are of no block (limits)")
+    return norms, limits, {str(k) for k in probation}, decays, lifts, relapses
+
+
+_STATE_KEYS = frozenset({"norms", "limits", "probation", "decays", "history"})
+
+
+def _count(value: Any, name: str) -> int:
+    """A loaded count or rung: an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected an int >= 0, got {value!r}")
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def _counts(table: Any, name: str) -> dict[str, int]:
+    """A loaded table of counts or rungs by layer."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"{name} must be a Mapping, got {type(table).__name__}")
+    return {str(k): _count(v, f"{name}[{k!r}]") for k, v in table.items()}

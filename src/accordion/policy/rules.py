@@ -39,6 +39,10 @@ class Observation:
         rungs: per layer, the rung it was at until now (0 is the mildest).
         decayed: whether the learning rate decayed since the last check (this one
             included), as the rule's ``decay_drop`` counts decays.
+        kept_out: layers left out of ``grad_norms`` because their statistic is not
+            finite (every gradient of the period was, or the sum overflowed): they keep
+            their rung, and a rule should keep what it remembers of them for the next
+            check.
     """
 
     index: int
@@ -48,6 +52,7 @@ class Observation:
     memory_norms: Mapping[str, float] = field(default_factory=dict)
     rungs: Mapping[str, int] = field(default_factory=dict)
     decayed: bool = False
+    kept_out: frozenset[str] = frozenset()
 
 
 class Rule(ABC):
@@ -97,6 +102,48 @@ def check_eta(eta: Any) -> float:
     return float(eta)
 
 
+def _comparable(old: float | None) -> bool:
+    """Whether a remembered norm can be compared with a new one (a relative change)."""
+    return old is not None and old != 0 and math.isfinite(old)
+
+
+def kept_norms(
+    remembered: Mapping[str, float], observation: Observation
+) -> dict[str, float]:
+    """The norms to remember after ``observation``: its own, and the remembered norms of
+    the layers it ``kept_out``."""
+    kept = {k: v for k, v in remembered.items() if k in observation.kept_out}
+    return {**kept, **observation.grad_norms}
+
+
+def check_rule_state(
+    state: Any, owner: str, required: frozenset[str], optional: frozenset[str] = frozenset()
+) -> None:
+    """Raise ``ValueError`` unless ``state`` is a Mapping with the ``required`` keys and
+    no others than the ``optional`` ones (``owner.state_dict()``)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a Mapping from {owner}.state_dict(), got {state!r:.80}")
+    missing = sorted(required - set(state))
+    unknown = sorted(set(state) - required - optional, key=repr)
+    if missing or unknown:
+        raise ValueError(
+            f"state is not a {owner} state_dict: missing keys {missing}, unknown keys {unknown}"
+        )
+
+
+def loaded_norms(norms: Any, owner: str) -> dict[str, float]:
+    """A state's remembered norms: numbers >= 0 by layer name. An inf or NaN is kept
+    (versions before the finite check could remember one); it compares with nothing."""
+    if not isinstance(norms, Mapping):
+        raise ValueError(f"{owner} norms must be a Mapping, got {type(norms).__name__}")
+    checked = {}
+    for name, value in norms.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ValueError(f"{owner} norms[{name!r}] must be a number >= 0, got {value!r}")
+        checked[str(name)] = float(value)
+    return checked
+
+
 def paper_check(
     norms: Mapping[str, float], remembered: Mapping[str, float], eta: float, decay: bool
 ) -> tuple[dict[str, bool], dict[str, dict[str, Any]]]:
@@ -109,8 +156,9 @@ def paper_check(
     layers: dict[str, dict[str, Any]] = {}
     for name, new in norms.items():
         old = remembered.get(name)
-        ratio = None if old is None or old == 0 else abs(old - new) / old
-        # ratio None stands for infinity, which is >= any eta
+        # ratio None stands for infinity, which is >= any eta; an old norm that is not
+        # finite (saved by a version before the finite check) compares with nothing
+        ratio = None if not _comparable(old) else abs(old - new) / old
         critical = decay or ratio is None or ratio >= eta
         decision[name] = critical
         layers[name] = {"old_norm": old, "new_norm": new, "ratio": ratio, "critical": critical}
@@ -147,9 +195,11 @@ class PaperRule(Rule):
         return decision
 
     def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
+        remembered = self.norms
         critical = self.critical(
             observation.index, observation.grad_norms, observation.lr_will_decay
         )
+        self.norms = kept_norms(remembered, observation)
         return {name: 0 if crit else ladder.top for name, crit in critical.items()}
 
     def config(self) -> dict[str, Any]:
@@ -159,10 +209,9 @@ class PaperRule(Rule):
         return {"norms": dict(self.norms), "history": copy.deepcopy(self.history)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or not isinstance(state.get("norms"), Mapping):
-            raise ValueError(
-                "state must come from PaperRule.state_dict() (keys 'norms', 'history')"
-            )
-        norms = {str(k): float(v) for k, v in state["norms"].items()}
+        """Restore :meth:`state_dict`; ``ValueError`` naming the bad entry (and nothing
+        changed) for anything else."""
+        check_rule_state(state, "PaperRule", frozenset({"norms", "history"}))
+        norms = loaded_norms(state["norms"], "PaperRule")
         super().load_state_dict(state)
         self.norms = norms

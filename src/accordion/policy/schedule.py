@@ -56,6 +56,23 @@ def check_drop(drop: Any, name: str = "drop") -> float:
     return float(drop)
 
 
+def check_lr(name: str, lr: Any) -> float:
+    """A learning rate named ``name`` as a float: a finite number >= 0 or a 0-d tensor of
+    one; ``TypeError`` (a str, a bool, ...) or ``ValueError`` (NaN, inf, < 0) otherwise."""
+    message = f"{name} must be a finite number >= 0 (a learning rate), got {lr!r}"
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(message)
+        value = float(lr)  # a tensor lr (capturable optimizers): one sync, once per call
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(message)
+    else:
+        value = float(lr)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(message)
+    return value
+
+
 class DecayDetector:
     """Notices learning-rate decays from the rate seen at each call.
 
@@ -76,20 +93,21 @@ class DecayDetector:
 
     @staticmethod
     def lr_of(optimizer: torch.optim.Optimizer | None, next_lr: Any) -> float | None:
-        """``next_lr`` (validated) if given, else the optimizer's first group's rate."""
+        """``next_lr`` if given, else the optimizer's first group's rate, validated: a
+        finite number >= 0 (a 0-d tensor too, as optimizers accept), else ``TypeError``
+        or ``ValueError`` naming where it came from. Nothing is remembered here."""
         if next_lr is not None:
-            if isinstance(next_lr, bool) or not isinstance(next_lr, int | float):
-                raise TypeError(f"next_lr must be a float, got {next_lr!r}")
-            if not math.isfinite(next_lr) or next_lr < 0:
-                raise ValueError(f"next_lr must be a finite float >= 0, got {next_lr}")
-            return float(next_lr)
+            return check_lr("next_lr", next_lr)
         if optimizer is None:
             return None
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        return float(optimizer.param_groups[0]["lr"])
+        if not optimizer.param_groups or "lr" not in optimizer.param_groups[0]:
+            raise ValueError("optimizer.param_groups[0]['lr'] must exist: the optimizer has "
+                             "no parameter group with a learning rate")  # fmt: skip
+        return check_lr("optimizer.param_groups[0]['lr']", optimizer.param_groups[0]["lr"])
 
     def decay(self, lr: float | None, lr_will_decay: bool | None) -> bool:
         """Whether the rate decays now: ``lr_will_decay`` if given, else a fall of ``lr``
