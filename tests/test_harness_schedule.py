@@ -92,7 +92,7 @@ def test_a_min_lr_factor_outside_zero_to_one_is_a_value_error_naming_it(factor):
 def test_the_cli_passes_schedule_and_min_lr_factor_to_the_run(monkeypatch, capsys):
     seen = []
 
-    def fake(fn, workers, config):
+    def fake(fn, workers, config, **options):
         seen.append(config)
         return {"epochs": [{"test_metric": 50.0, "floats": 10, "train_time_s": 0.1}]}
 

@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .compress import compressing_names, compressor_class
 from .costmodel import parse_bandwidth, parse_latency
@@ -222,8 +224,10 @@ def _train_defaults() -> dict[str, str]:
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``train`` and ``compare``; None means "from the preset or default"."""
+    from .controller import STATISTICS
     from .harness.data import TASKS
     from .harness.train import LR_SCALINGS, SCHEDULES
+    from .models import MODEL_NAMES
 
     d = _train_defaults()
     tasks = ", ".join(f"{task} (default)" if task == d["task"] else task for task in TASKS)
@@ -231,8 +235,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in (
         ("--preset", None, "a named configuration of the paper's runs (GPU scale)"),
         ("--task", None, tasks),
-        ("--data-dir", None, "directory of the CIFAR / WikiText-2 files"),
-        ("--model", None, "model name (default: the task's)"),
+        ("--data-dir", None, "cifar10, cifar100, wikitext2: directory of their files "
+         "(required); mnist1d: directory the generated dataset is cached in (created; "
+         "default: $ACCORDION_CACHE, else no cache); synthetic: not allowed"),
+        ("--model", None, f"model name: {', '.join(MODEL_NAMES)} (default: the task's)"),
         ("--epochs", int, f"epochs (default {d['epochs']})"),
         ("--batch-size", int, f"global batch over all workers (default {d['batch_size']})"),
         ("--lr", float, f"peak learning rate (default {d['lr']})"),
@@ -251,7 +257,8 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
         ("--interval", int, "Accordion check interval, epochs (default: the rule's, 1 for "
          "the guarded rule, 10 for the paper's)"),
         ("--eta", float, f"Accordion threshold (default {d['eta']})"),
-        ("--statistic", None, f"rank0 (the paper) or mean (default {d['statistic']})"),
+        ("--statistic", None, f"{' or '.join(STATISTICS)}: the statistics of rank 0 (the "
+         f"paper) or their mean over the workers (default {d['statistic']})"),
         ("--on-rank-change", None, "PowerSGD Q at a switch: reuse or redraw (default: the hook's)"),
         ("--seed", int, f"seed (default {d['seed']})"),
         ("--train-samples", int, "training samples used (task default)"),
@@ -274,10 +281,16 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def _make_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, strategy: str | None = None
+):
+    """The ``TrainConfig`` of the flags (preset, then the flags given), not yet validated:
+    see :func:`_preflight`."""
     from .harness.launch import default_threads
     from .harness.train import PRESETS, TrainConfig
 
+    if args.workers < 1:
+        parser.error(f"argument --workers: must be an int >= 1, got {args.workers}")
     values: dict[str, Any] = {}
     if args.preset is not None:
         if args.preset not in PRESETS:
@@ -301,18 +314,72 @@ def _make_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
     values["progress"] = not args.no_progress
     if values.get("threads") is None:
         values["threads"] = default_threads(args.workers)
-    config = TrainConfig(**values)
-    try:
-        config.validate()
-    except (TypeError, ValueError) as exc:
-        parser.error(str(exc))
-    from .harness.data import TASKS
+    if strategy is not None:
+        values["strategy"] = strategy
+    return TrainConfig(**values)
 
-    if config.task not in TASKS:
-        parser.error(f"argument --task: must be one of {', '.join(TASKS)}, got {config.task!r}")
-    if args.workers < 1:
-        parser.error(f"argument --workers: must be an int >= 1, got {args.workers}")
-    return config
+
+def _world(args: argparse.Namespace) -> int:
+    """The number of workers the run will have: torchrun's ``WORLD_SIZE``, else --workers."""
+    from .harness.launch import in_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.workers
+
+
+def _preflight(
+    args: argparse.Namespace, configs: Sequence[Any], strategy_flag: str, out: str | None
+) -> None:
+    """Every check that can fail before a worker starts, as a usage error (exit 2): each
+    run's settings against the number of workers, the task's files, and the folders the
+    run writes (``out``, and the MNIST-1D cache). Loads no data, so it takes no time."""
+    from .harness.data import FILE_TASKS, find_task_files, mnist1d_cache_file
+
+    parser = args.parser
+    world = _world(args)
+    for config in configs:
+        try:
+            config.validate(world=world)
+        except (TypeError, ValueError) as exc:
+            _config_error(parser, exc, strategy_flag)
+    task, data_dir = configs[0].task, configs[0].data_dir  # the same for every run
+    if task in FILE_TASKS:
+        try:
+            find_task_files(task, data_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            parser.error(f"argument --data-dir: {exc}")
+    elif task == "mnist1d" and data_dir is not None:
+        if not mnist1d_cache_file(data_dir).is_file():
+            _check_writable(parser, "--data-dir", data_dir, "the MNIST-1D cache")
+    if out is not None:
+        _check_writable(parser, "--out", out, "the logs")
+
+
+def _config_error(parser: argparse.ArgumentParser, exc: Exception, strategy_flag: str) -> NoReturn:
+    """The usage error of a ``TrainConfig.validate`` error, naming the flag of the setting
+    that the message starts with (``strategy`` is ``strategy_flag``)."""
+    from .harness.train import TrainConfig
+
+    text = str(exc)
+    name = re.match(r"[a-z_]*", text).group()
+    if name == "strategy":
+        parser.error(f"argument {strategy_flag}: {text}")
+    if name in {f.name for f in dataclasses.fields(TrainConfig)}:
+        parser.error(f"argument --{name.replace('_', '-')}: {text}")
+    parser.error(text)
+
+
+def _check_writable(parser: argparse.ArgumentParser, flag: str, folder: str, what: str) -> None:
+    """A usage error unless ``folder`` can be created (it is, now) and written in: found
+    now rather than by the workers, once the run is under way."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        parser.error(
+            f"argument {flag}: cannot write {what} in {folder!r} ({exc.strerror or exc}); "
+            "give a directory that can be created and written"
+        )
 
 
 def _train_worker(rank, world, local_rank, config):
@@ -322,18 +389,19 @@ def _train_worker(rank, world, local_rank, config):
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    from .harness.launch import run_distributed
+    from .harness.launch import in_torchrun, run_distributed
 
-    config = _make_config(args, args.parser)
-    config.strategy = args.strategy
-    try:
-        config.validate()
-    except (TypeError, ValueError) as exc:
-        args.parser.error(f"argument --strategy: {exc}")
+    config = _make_config(args, args.parser, strategy=args.strategy)
     config.out = args.out
-    from .harness.launch import in_torchrun
-
-    result = run_distributed(_train_worker, args.workers, config)
+    config.checkpoint_dir, config.checkpoint_every = args.checkpoint_dir, args.checkpoint_every
+    # only rank 0 writes the logs
+    writes = not in_torchrun() or int(os.environ["RANK"]) == 0
+    _preflight(args, [config], "--strategy", args.out if writes else None)
+    rendezvous = None
+    if args.checkpoint_dir is not None:
+        _check_writable(args.parser, "--checkpoint-dir", args.checkpoint_dir, "checkpoints")
+        rendezvous = os.path.join(args.checkpoint_dir, ".rendezvous")
+    result = run_distributed(_train_worker, args.workers, config, rendezvous=rendezvous)
     if in_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     last = result["epochs"][-1]
@@ -380,19 +448,15 @@ def _compare_from_files(args: argparse.Namespace) -> int:
 def _compare_command(args: argparse.Namespace) -> int:
     from .harness.compare import format_paired, format_table, run_compare
     from .harness.launch import in_torchrun
-    from .harness.strategies import parse_strategy
 
     if args.from_files is not None:
         return _compare_from_files(args)
     config = _make_config(args, args.parser)
-    for text in args.strategies:
-        try:
-            parse_strategy(text)
-        except ValueError as exc:
-            args.parser.error(f"argument --strategies: {exc}")
     _check_baseline(args, args.strategies, "--strategies")
     if args.seeds < 1:
         args.parser.error(f"argument --seeds: must be an int >= 1, got {args.seeds}")
+    runs = [dataclasses.replace(config, strategy=text) for text in args.strategies]
+    _preflight(args, runs, "--strategies", args.out)
     results = run_compare(
         config, args.strategies, args.seeds, args.workers, args.out, baseline=args.baseline
     )
@@ -549,6 +613,18 @@ def _add_train_and_compare(sub: Any) -> None:
     _config_arguments(train)
     train.add_argument("--strategy", default=_train_defaults()["strategy"], help="see above")
     train.add_argument("--out", default=None, help="directory for metrics.jsonl / metrics.csv")
+    train.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR",
+        help="write a consistent checkpoint set of every worker there, and resume from the "
+        "newest complete one when it exists (see docs/fault-tolerance.md); under torchrun "
+        "the workers also meet through a file rendezvous in DIR/.rendezvous, one per "
+        "restart attempt (default: no checkpoints)",
+    )  # fmt: skip
+    train.add_argument(
+        "--checkpoint-every", type=int, default=1, metavar="N",
+        help="epochs between checkpoint sets; one is also written after the last epoch "
+        "(default 1)",
+    )  # fmt: skip
     train.set_defaults(handler=_train_command, parser=train)
 
     compare = sub.add_parser(

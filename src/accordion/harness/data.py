@@ -3,13 +3,16 @@
 Tasks (:data:`TASKS`):
 
 ``mnist1d``    MNIST-1D (Greydanus, 2020), generated offline from the package's default arguments
-               (20,000 samples: 16,000 train / 4,000 test; the harness uses 4,000 / 4,000).
+               (20,000 samples: 16,000 train / 4,000 test; the harness uses 4,000 / 4,000),
+               and cached in ``data_dir`` when one is given.
 ``cifar10``    CIFAR-10 from the official python pickles in ``data_dir``.
 ``cifar100``   CIFAR-100 from the official python pickles in ``data_dir``.
 ``wikitext2``  WikiText-2 word-level token files in ``data_dir``.
 ``synthetic``  random images or signals with random labels, for speed benchmarks.
 
 Nothing is ever downloaded: CIFAR and WikiText-2 must already be on disk.
+:func:`check_task` and :func:`find_task_files` check a task's settings and files without
+loading anything, so that a command can fail before it starts its workers.
 
 Training batches are drawn from one permutation per ``(seed, epoch)``, identical on every rank;
 each global batch is cut into ``world_size`` contiguous slices, one per rank, so the ranks
@@ -40,18 +43,26 @@ import torch
 
 __all__ = [
     "CIFAR_URL",
+    "FILE_TASKS",
     "TASKS",
     "ClassificationData",
     "LanguageData",
     "classification_batches",
     "language_batches",
+    "check_global_batch",
+    "check_task",
+    "find_task_files",
     "language_steps",
     "load_task",
+    "mnist1d_cache_file",
     "steps_per_epoch",
 ]
 
 TASKS: tuple[str, ...] = ("mnist1d", "cifar10", "cifar100", "wikitext2", "synthetic")
 """Task names accepted by :func:`load_task`."""
+
+FILE_TASKS: tuple[str, ...] = ("cifar10", "cifar100", "wikitext2")
+"""The tasks that read their files from ``data_dir``; the others generate their data."""
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 """Where to get the CIFAR-10/100 python archives (this module never downloads them)."""
@@ -77,6 +88,15 @@ _CIFAR_PAD = 4  # pixels of zero padding before the random 32 x 32 crop
 # mnist1d's default arguments with more samples; the package's own seed (42) is kept so that
 # every run of the project sees the same data.
 _MNIST1D_NUM_SAMPLES = 20_000
+_MNIST1D_TRAIN_SPLIT = 0.8  # the package's default, set explicitly: check_task relies on it
+_MNIST1D_CLASSES = 10  # make_dataset draws num_samples // 10 samples of each of its 10 templates
+
+# Training and test samples of the datasets read from files (WikiText-2 counts tokens, which
+# are known only once the files are read).
+_CIFAR_SIZES = (50_000, 10_000)
+
+# What the models read; every model not named here reads 3-channel images.
+_MODEL_INPUTS = {"lstm": "tokens", "mnist1d-cnn": "signals"}
 
 _DEFAULT_SAMPLES = {"mnist1d": (4000, 4000), "synthetic": (1024, 256)}
 
@@ -182,6 +202,146 @@ def _generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
 
 
+# --------------------------------------------------------------------------- checks before loading
+
+
+def check_task(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    model: str | None = None,
+    train_samples: int | None = None,
+    test_samples: int | None = None,
+    synthetic_shape: Sequence[int] = (3, 32, 32),
+) -> int | None:
+    """Check a task's settings without reading or generating any data.
+
+    Catches what :func:`load_task` and the model would otherwise only find in the workers.
+    Files are not looked for here, nor is ``data_dir`` required, so that a configuration
+    can be checked on another machine than its data: see :func:`find_task_files`.
+
+    Args:
+        name: one of :data:`TASKS`.
+        data_dir: the folder of the files of the tasks of :data:`FILE_TASKS`; for ``mnist1d``
+            the folder the generated dataset is cached in; refused for ``synthetic``, which
+            has no use for it (a mistake better reported than ignored).
+        model: a model name of :data:`accordion.models.MODEL_NAMES` (None: the task's
+            default), checked to read the task's inputs (images, 1-D signals or tokens).
+        train_samples: training samples asked for (None: the task's default).
+        test_samples: test samples asked for (None: the task's default).
+        synthetic_shape: one ``synthetic`` sample's shape.
+
+    Returns:
+        The number of training samples the run will have; None for ``wikitext2``, whose
+        streams are counted in tokens once read.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: naming the setting: an unknown task; ``data_dir`` given to
+            ``synthetic``; a model that does not read the task's inputs; a sample count not
+            positive or beyond the dataset; a bad synthetic shape.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"task must be a str, got {type(name).__name__}: {name!r}")
+    if name not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
+    train_samples = _check_optional_count("train_samples", train_samples)
+    test_samples = _check_optional_count("test_samples", test_samples)
+    if name == "synthetic" and data_dir is not None:
+        raise ValueError(
+            f"data_dir ({str(data_dir)!r}) has no use for task 'synthetic', which generates "
+            "random data and reads no file; leave it out"
+        )
+    inputs = _task_inputs(name, synthetic_shape)
+    if model is not None:
+        _check_model_fits(model, name, inputs)
+    sizes = {"mnist1d": _mnist1d_sizes(), "cifar10": _CIFAR_SIZES, "cifar100": _CIFAR_SIZES}
+    default_train, default_test = _DEFAULT_SAMPLES.get(name, (None, None))
+    train_samples = default_train if train_samples is None else train_samples
+    test_samples = default_test if test_samples is None else test_samples
+    if name in sizes:
+        for setting, count, available in zip(
+            ("train_samples", "test_samples"), (train_samples, test_samples), sizes[name]
+        ):
+            if count is not None and count > available:
+                raise ValueError(
+                    f"{setting}={count} exceeds the {available} samples available in {name}"
+                )
+        return sizes[name][0] if train_samples is None else train_samples
+    return train_samples
+
+
+def check_global_batch(
+    name: str, batch: int, world_size: int | None = None, train_size: int | None = None
+) -> None:
+    """``ValueError`` naming ``name`` unless a global batch of ``batch`` samples splits into
+    ``world_size`` equal shares (when given) and fits in ``train_size`` training samples (when
+    given), as :func:`classification_batches` requires."""
+    if world_size is not None and batch % world_size:
+        raise ValueError(
+            f"{name} ({batch}) must be a multiple of the number of workers ({world_size}), "
+            "so that every worker gets the same share of each batch"
+        )
+    if train_size is not None and batch > train_size:
+        raise ValueError(
+            f"{name} ({batch}) must be at most the {train_size} training samples, else an "
+            "epoch has no step"
+        )
+
+
+def _task_inputs(name: str, synthetic_shape: Sequence[int]) -> str:
+    """What the task feeds its model: "images", "signals" or "tokens"."""
+    if name == "synthetic":
+        return "images" if _synthetic_default_model(synthetic_shape) == "resnet18" else "signals"
+    return {"mnist1d": "signals", "wikitext2": "tokens"}.get(name, "images")
+
+
+def _check_model_fits(model: str, task: str, inputs: str) -> None:
+    from ..models import MODEL_NAMES
+
+    reads = _MODEL_INPUTS.get(model, "images")
+    if reads != inputs:
+        fitting = [m for m in MODEL_NAMES if _MODEL_INPUTS.get(m, "images") == inputs]
+        raise ValueError(
+            f"model {model!r} reads {reads}, but task {task!r} gives {inputs}; models "
+            f"for {inputs}: {', '.join(fitting)}"
+        )
+
+
+def _mnist1d_sizes() -> tuple[int, int]:
+    """Training and test samples of the generated MNIST-1D, as ``make_dataset`` splits them."""
+    total = _MNIST1D_NUM_SAMPLES // _MNIST1D_CLASSES * _MNIST1D_CLASSES
+    train = int(total * _MNIST1D_TRAIN_SPLIT)
+    return train, total - train
+
+
+def mnist1d_cache_file(data_dir: str | os.PathLike) -> Path:
+    """The file in ``data_dir`` that ``mnist1d`` is cached in (``mnist1d_n20000.npz``)."""
+    return Path(data_dir) / f"mnist1d_n{_MNIST1D_NUM_SAMPLES}.npz"
+
+
+def find_task_files(name: str, data_dir: str | os.PathLike | None) -> list[Path]:
+    """The files a task of :data:`FILE_TASKS` reads from ``data_dir``, without reading them.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`FILE_TASKS`, or ``data_dir`` is None.
+        FileNotFoundError: the files are not there; the message lists every path looked for
+            and where to get them.
+    """
+    if name not in FILE_TASKS:
+        raise ValueError(f"task must be one of {', '.join(FILE_TASKS)}, got {name!r}")
+    if data_dir is None:
+        raise ValueError(
+            f"data_dir is required by task {name!r}, which reads its files from disk "
+            "(nothing is downloaded)"
+        )
+    if name == "wikitext2":
+        return _wikitext_paths(Path(data_dir))
+    folder = _cifar_folder(name, Path(data_dir))
+    train_files, test_files = _CIFAR_FILES[name]
+    return [folder / file for file in (*train_files, *test_files)]
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -202,7 +362,10 @@ def load_task(
         data_dir: folder holding the files of ``cifar10``, ``cifar100`` (the extracted folder
             ``cifar-10-batches-py`` / ``cifar-100-python`` or its parent) and ``wikitext2``
             (``wiki.{train,valid,test}.tokens`` or ``{train,valid,test}.txt``, in the folder or in
-            its ``wikitext-2`` subfolder); required for those tasks, ignored by the others.
+            its ``wikitext-2`` subfolder); required for those tasks. For ``mnist1d``, the folder
+            the generated dataset is cached in (:func:`mnist1d_cache_file`, created when
+            missing; without it the folder of the environment variable ``ACCORDION_CACHE``,
+            if set). Ignored by ``synthetic``.
         train_samples: keep only the first ``train_samples`` training samples (tokens for
             ``wikitext2``). Defaults: 4,000 for ``mnist1d``, 1,024 for ``synthetic``, all for
             the others.
@@ -240,7 +403,7 @@ def load_task(
     test_samples = default_test if test_samples is None else test_samples
 
     if name == "mnist1d":
-        return _load_mnist1d(train_samples, test_samples)
+        return _load_mnist1d(train_samples, test_samples, data_dir)
     if name == "synthetic":
         return _make_synthetic(
             train_samples, test_samples, seed, synthetic_shape, synthetic_classes
@@ -254,8 +417,15 @@ def load_task(
     return _load_cifar(name, Path(data_dir), train_samples, test_samples)
 
 
-def _load_mnist1d(train_samples: int, test_samples: int) -> ClassificationData:
-    x_train, y_train, x_test, y_test = _mnist1d_arrays(_MNIST1D_NUM_SAMPLES)
+def _load_mnist1d(
+    train_samples: int, test_samples: int, data_dir: str | os.PathLike | None
+) -> ClassificationData:
+    # Without data_dir, the one-argument call keeps the in-process cache key callers warm.
+    if data_dir is None:
+        arrays = _mnist1d_arrays(_MNIST1D_NUM_SAMPLES)
+    else:
+        arrays = _mnist1d_arrays(_MNIST1D_NUM_SAMPLES, str(data_dir))
+    x_train, y_train, x_test, y_test = arrays
     # Copies, so that a caller writing into its tensors cannot corrupt the in-process cache.
     return ClassificationData(
         name="mnist1d",
@@ -270,12 +440,15 @@ def _load_mnist1d(train_samples: int, test_samples: int) -> ClassificationData:
 
 
 @functools.lru_cache(maxsize=4)
-def _mnist1d_arrays(num_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _mnist1d_arrays(
+    num_samples: int, cache_dir: str | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """MNIST-1D as (x_train float32, y_train int64, x_test, y_test), generated or from the cache.
 
-    The disk cache is used only when the environment variable ``ACCORDION_CACHE`` names a folder.
+    The disk cache is used only when ``cache_dir`` (``--data-dir``) or else the environment
+    variable ``ACCORDION_CACHE`` names a folder.
     """
-    cache_dir = os.environ.get("ACCORDION_CACHE")
+    cache_dir = cache_dir or os.environ.get("ACCORDION_CACHE")
     cache_file = Path(cache_dir) / f"mnist1d_n{num_samples}.npz" if cache_dir else None
     if cache_file is not None and cache_file.is_file():
         with np.load(cache_file) as saved:
@@ -289,6 +462,7 @@ def _mnist1d_arrays(num_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
         ) from error
     args = get_dataset_args()
     args.num_samples = num_samples
+    args.train_split = _MNIST1D_TRAIN_SPLIT
     # make_dataset reseeds the global `random` and numpy generators: restore the caller's state.
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
@@ -311,6 +485,20 @@ def _mnist1d_arrays(num_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return arrays
 
 
+def _synthetic_default_model(shape: object) -> str:
+    """The model of ``synthetic`` samples of ``shape``; ValueError unless (3, H, W) or (L,)."""
+    if not isinstance(shape, Sequence) or not all(
+        not isinstance(size, bool) and isinstance(size, numbers.Integral) and size > 0
+        for size in shape
+    ):
+        raise ValueError(f"synthetic_shape must be a tuple of positive ints, got {shape!r}")
+    if len(shape) == 3 and shape[0] == 3:
+        return "resnet18"
+    if len(shape) == 1:
+        return "mnist1d-cnn"
+    raise ValueError(f"synthetic_shape must be (3, H, W) images or (L,) signals, got {shape!r}")
+
+
 def _make_synthetic(
     train_samples: int,
     test_samples: int,
@@ -318,18 +506,8 @@ def _make_synthetic(
     shape: Sequence[int],
     num_classes: int,
 ) -> ClassificationData:
-    if not isinstance(shape, Sequence) or not all(
-        not isinstance(size, bool) and isinstance(size, numbers.Integral) and size > 0
-        for size in shape
-    ):
-        raise ValueError(f"synthetic_shape must be a tuple of positive ints, got {shape!r}")
+    default_model = _synthetic_default_model(shape)
     shape = tuple(int(size) for size in shape)
-    if len(shape) == 3 and shape[0] == 3:
-        default_model = "resnet18"
-    elif len(shape) == 1:
-        default_model = "mnist1d-cnn"
-    else:
-        raise ValueError(f"synthetic_shape must be (3, H, W) images or (L,) signals, got {shape!r}")
     num_classes = _check_int("synthetic_classes", num_classes, minimum=1)
 
     def draw(count: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,20 +535,7 @@ def _load_cifar(
     name: str, data_dir: Path, train_samples: int | None, test_samples: int | None
 ) -> ClassificationData:
     train_files, test_files = _CIFAR_FILES[name]
-    looked_for: list[Path] = []
-    folder = None
-    for candidate in (data_dir, data_dir / _CIFAR_FOLDERS[name]):
-        paths = [candidate / file for file in (*train_files, *test_files)]
-        looked_for.extend(paths)
-        if all(path.is_file() for path in paths):
-            folder = candidate
-            break
-    if folder is None:
-        raise FileNotFoundError(
-            f"{name} files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
-            f"Nothing is downloaded: get the CIFAR python version from {CIFAR_URL}, extract it "
-            f"and pass the extracted folder ({_CIFAR_FOLDERS[name]}) or its parent as data_dir."
-        )
+    folder = _cifar_folder(name, data_dir)
     label_key = _CIFAR_LABEL_KEYS[name]
     x_train, y_train = _read_cifar_pickles([folder / file for file in train_files], label_key)
     x_test, y_test = _read_cifar_pickles([folder / file for file in test_files], label_key)
@@ -383,6 +548,22 @@ def _load_cifar(
         num_classes=100 if name == "cifar100" else 10,
         augment=True,
         default_model="resnet18",
+    )
+
+
+def _cifar_folder(name: str, data_dir: Path) -> Path:
+    """``data_dir`` or its CIFAR subfolder, whichever holds all the files of ``name``."""
+    train_files, test_files = _CIFAR_FILES[name]
+    looked_for: list[Path] = []
+    for candidate in (data_dir, data_dir / _CIFAR_FOLDERS[name]):
+        paths = [candidate / file for file in (*train_files, *test_files)]
+        looked_for.extend(paths)
+        if all(path.is_file() for path in paths):
+            return candidate
+    raise FileNotFoundError(
+        f"{name} files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
+        f"Nothing is downloaded: get the CIFAR python version from {CIFAR_URL}, extract it "
+        f"and pass the extracted folder ({_CIFAR_FOLDERS[name]}) or its parent as data_dir."
     )
 
 
@@ -405,22 +586,7 @@ def _read_cifar_pickles(
 def _load_wikitext2(
     data_dir: Path, train_samples: int | None, test_samples: int | None
 ) -> LanguageData:
-    looked_for: list[Path] = []
-    paths = None
-    for folder in (data_dir, data_dir / _WIKITEXT_FOLDER):
-        for naming in _WIKITEXT_NAMINGS:
-            candidate = [folder / naming.format(split=s) for s in ("train", "valid", "test")]
-            looked_for.extend(candidate)
-            if all(path.is_file() for path in candidate):
-                paths = candidate
-                break
-        if paths is not None:
-            break
-    if paths is None:
-        raise FileNotFoundError(
-            f"wikitext2 files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
-            f"Nothing is downloaded: get {_WIKITEXT2_HINT} and pass its folder as data_dir."
-        )
+    paths = _wikitext_paths(data_dir)
     vocabulary: dict[str, int] = {}
     train = _tokenize(paths[0], vocabulary, grow=True)
     valid = _tokenize(paths[1], vocabulary, grow=False)
@@ -431,6 +597,21 @@ def _load_wikitext2(
         valid=_cut("test_samples", valid, test_samples, "wikitext2 (valid)"),
         test=_cut("test_samples", test, test_samples, "wikitext2"),
         vocab_size=len(vocabulary),
+    )
+
+
+def _wikitext_paths(data_dir: Path) -> list[Path]:
+    """The train, valid and test files of WikiText-2 in ``data_dir`` or its subfolder."""
+    looked_for: list[Path] = []
+    for folder in (data_dir, data_dir / _WIKITEXT_FOLDER):
+        for naming in _WIKITEXT_NAMINGS:
+            candidate = [folder / naming.format(split=s) for s in ("train", "valid", "test")]
+            looked_for.extend(candidate)
+            if all(path.is_file() for path in candidate):
+                return candidate
+    raise FileNotFoundError(
+        f"wikitext2 files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
+        f"Nothing is downloaded: get {_WIKITEXT2_HINT} and pass its folder as data_dir."
     )
 
 

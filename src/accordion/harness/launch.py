@@ -56,16 +56,64 @@ def _spawned(rank: int, fn, world: int, store: str, result_path: str, args: tupl
     os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], workers: int, *args: Any) -> Any:
+def _run_alone(fn: Callable[..., Any], args: tuple) -> Any:
+    """``fn(0, 1, 0, *args)`` in this process, inside a one-process group.
+
+    The training wraps its model in DDP, which needs a default process group even for one
+    worker. The group gets a file rendezvous in a temporary folder (no port to pick) and is
+    destroyed afterwards, so that the caller can start another run or group later. A
+    one-process group the caller already initialised is used as it is.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                f"workers=1 inside a process group of {dist.get_world_size()} processes: "
+                "call fn on every rank instead, or destroy the group first"
+            )
+        return fn(0, 1, 0, *args)
+    with tempfile.TemporaryDirectory(prefix="accordion-") as tmp:
+        store = os.path.join(tmp, "store")
+        dist.init_process_group(backend(), init_method=f"file://{store}", rank=0, world_size=1)
+        try:
+            return fn(0, 1, 0, *args)
+        finally:
+            _shutdown()
+
+
+def _torchrun_init(rendezvous: str | None) -> None:
+    """The process group of a ``torchrun`` worker: from the environment, or through a
+    file rendezvous in folder ``rendezvous``, one per restart attempt.
+
+    Under ``torchrun --max-restarts``, gloo's env:// rendezvous often failed here after a
+    restart (``connectFullMesh`` errors, or a hang in ``init_process_group``): the store
+    still held the killed attempt's keys. A fresh file per attempt shares nothing with it.
+    """
+    if rendezvous is None:
+        dist.init_process_group(backend())
+        return
+    rendezvous = os.path.abspath(rendezvous)  # file://a/b would read "a" as a host
+    os.makedirs(rendezvous, exist_ok=True)
+    keys = ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    attempt = "-".join(os.environ.get(k, "0") for k in keys)
+    store = os.path.join(rendezvous, f"store-{attempt}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend(), init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def run_distributed(
+    fn: Callable[..., Any], workers: int, *args: Any, rendezvous: str | None = None
+) -> Any:
     """Run ``fn(rank, world_size, local_rank, *args)`` on every worker; return rank 0's result.
 
-    Under ``torchrun`` the process group comes from the environment and ``workers`` is
-    ignored (every rank returns its own result). Otherwise ``workers`` local processes are
-    started (``workers == 1`` runs in this process without a process group). ``fn`` and
-    ``args`` must be picklable.
+    Under ``torchrun`` the process group comes from the environment (or, with
+    ``rendezvous``, a file rendezvous in that folder per restart attempt: see
+    :func:`_torchrun_init`) and ``workers`` is ignored (every rank returns its own
+    result). Otherwise ``workers`` local processes are started; ``workers == 1`` runs in
+    this process, in a one-process group of its own (see :func:`_run_alone`). With
+    several workers ``fn`` and ``args`` must be picklable.
     """
     if in_torchrun():
-        dist.init_process_group(backend())
+        _torchrun_init(rendezvous)
         try:
             return fn(
                 dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), *args
@@ -75,7 +123,7 @@ def run_distributed(fn: Callable[..., Any], workers: int, *args: Any) -> Any:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     if workers == 1:
-        return fn(0, 1, 0, *args)
+        return _run_alone(fn, args)
     with tempfile.TemporaryDirectory(prefix="accordion-") as tmp:
         result_path = os.path.join(tmp, "result.pkl")
         store = os.path.join(tmp, "store")

@@ -27,6 +27,7 @@ from .._validate import check_choice, check_int, check_number
 from ..accounting import paper_floats, wire_bytes
 from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
+from ..checkpoint import Checkpointer
 from ..compress import PowerSGD, compressor_class
 from ..compress.powersgd import matrix_shape, powersgd_rank
 from ..ddp import AccordionState, accordion_hook
@@ -92,15 +93,29 @@ class TrainConfig:
     threads: int | None = None
     progress: bool = True
     out: str | None = None
+    checkpoint_dir: str | None = None  # consistent checkpoint sets (accordion.checkpoint)
+    checkpoint_every: int = 1  # epochs between checkpoint sets (and one after the last)
 
-    def validate(self) -> None:
+    def validate(self, world: int | None = None) -> None:
         """Raise ``TypeError`` (a setting of the wrong type) or ``ValueError`` naming the
-        first bad setting."""
-        parse_strategy(self.strategy)
-        for name in ("epochs", "batch_size", "bptt"):
+        first bad setting, what it is and what is allowed. Reads and generates no data.
+
+        With ``world`` (the number of workers) also check that ``batch_size`` and a batch
+        strategy's sizes divide among the workers, as the run requires."""
+        from ..controller import STATISTICS
+        from ..models import MODEL_NAMES
+        from .data import check_global_batch, check_task
+
+        strategy = parse_strategy(self.strategy)
+        if world is not None:
+            check_int("world", world, 1)
+        for name in ("epochs", "batch_size", "bptt", "checkpoint_every"):
             check_int(name, getattr(self, name), 1)
-        if self.interval is not None:
-            check_int("interval", self.interval, 1)
+        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
+            raise TypeError(f"checkpoint_dir must be a str or None, got {self.checkpoint_dir!r}")
+        for name in ("interval", "threads", "train_samples", "test_samples"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
         for name in ("lr", "eta", "decay_factor"):
             check_number(name, getattr(self, name), minimum=0, strict=True)
         for name in ("momentum", "weight_decay", "warmup_epochs"):
@@ -110,11 +125,36 @@ class TrainConfig:
         check_choice("on_rank_change", self.on_rank_change, (None, *PowerSGD.RANK_CHANGE_POLICIES))
         check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("statistic", self.statistic, STATISTICS)
         check_number("min_lr_factor", self.min_lr_factor, minimum=0, maximum=1)
         for name in ("batch_switch_epoch", "batch_warmup_steps"):
             check_int(name, getattr(self, name), 0)
         if self.clip is not None:
             check_number("clip", self.clip, minimum=0, strict=True)
+        if self.model is not None:
+            check_choice("model", self.model, MODEL_NAMES)
+        train_size = check_task(
+            self.task, self.data_dir, model=self.model, train_samples=self.train_samples,
+            test_samples=self.test_samples, synthetic_shape=self.synthetic_shape,
+        )  # fmt: skip
+        if strategy.batch_mode is not None and self.task == "wikitext2":
+            raise ValueError(
+                f"strategy {strategy.text!r}: batch-size strategies support classification "
+                f"tasks, not {self.task!r}"
+            )
+        # (setting named in the message, global batch, whether an epoch trains at it)
+        batches = [("batch_size", self.batch_size, strategy.batch_mode is None)] + [
+            (f"strategy {strategy.text!r}: batch", size, True)
+            for size in (strategy.batch_small, strategy.batch_large) if size is not None
+        ]  # fmt: skip
+        for what, size, trained in batches:
+            check_global_batch(what, size, world, train_size if trained else None)
+        small, large = strategy.batch_small, strategy.batch_large
+        if strategy.batch_mode in ("adaptive", "fixed") and large % small:
+            raise ValueError(
+                f"strategy {strategy.text!r}: LARGE ({large}) must be a multiple of SMALL "
+                f"({small}): a large batch accumulates whole small ones"
+            )
 
     def batch_lr_scale(self, batch: int) -> float:
         """Learning-rate multiplier for a global batch ``batch``: ``lr`` is the rate at
@@ -237,6 +277,13 @@ class _Traffic:
         if n * m > (n + m) * r * TORCH_POWERSGD_MIN_COMPRESSION_RATE:
             return TORCH_POWERSGD, r
         return "dense", None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counts so far (plain values), for checkpoints."""
+        return {"steps": self.steps, "floats": self.floats, "bytes": self.bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.floats, self.bytes = state["steps"], state["floats"], state["bytes"]
 
     def totals(self) -> tuple[int, float]:
         if self.state is not None:
@@ -528,14 +575,20 @@ def train_run(
     run = _set_up(config, rank, world, local_rank)
     result = RunResult(config.strategy, config.seed, mild=run.strategy.mild,
                        aggressive=run.strategy.aggressive)  # fmt: skip
-    train_time = 0.0
+    saver = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
+    start, train_time = _resume(run, saver, result)
     bar = _progress_bar(config) if rank == 0 else None
-    for epoch in range(config.epochs):
+    if bar is not None:
+        bar.update(start)
+    for epoch in range(start, config.epochs):
         record, train_time = _epoch(run, epoch, train_time)
         result.epochs.append(record)
         run.logger.log(record)
         if on_epoch is not None:
             on_epoch(record)
+        done = epoch + 1
+        if saver is not None and (done % config.checkpoint_every == 0 or done == config.epochs):
+            _save(run, saver, done, result, train_time)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(
@@ -551,6 +604,52 @@ def train_run(
         result.batch_checks = run.controller.checks
     run.logger.close(result.checks, result.calibration)
     return result
+
+
+def _resume(run: _Run, saver: Checkpointer | None, result: RunResult) -> tuple[int, float]:
+    """Restore the newest complete checkpoint set, if any: the first epoch to train and
+    the training time so far (collective)."""
+    if saver is None:
+        return 0, 0.0
+    restored = saver.load_latest(model=run.model, optimizer=run.optimizer,
+                                 accordion=run.state, batch=run.controller)  # fmt: skip
+    if restored is None:
+        return 0, 0.0
+    extra = restored.extra
+    _check_same_run(run.config, extra["config"], restored.path)
+    run.traffic.load_state_dict(extra["traffic"])
+    for record in extra["records"]:  # the logs hold every epoch, the resumed ones too
+        result.epochs.append(record)
+        run.logger.log(record)
+    return restored.step, extra["train_time"]
+
+
+#: Settings that may change between a checkpoint and the run resuming from it.
+_RESUMABLE_CHANGES = ("epochs", "out", "progress", "threads", "checkpoint_dir",
+                      "checkpoint_every")  # fmt: skip
+
+
+def _check_same_run(config: TrainConfig, saved: dict[str, Any], path) -> None:
+    """Raise ``ValueError`` when ``config`` trains another run than the checkpoint's."""
+    now = config.to_dict()
+    # a cosine schedule spans the whole run: more epochs would change the rates so far
+    free = [k for k in _RESUMABLE_CHANGES if k != "epochs" or config.schedule != "cosine"]
+    changed = sorted(k for k in set(now) | set(saved) if k not in free
+                     and now.get(k) != saved.get(k))  # fmt: skip
+    if changed:
+        pairs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise ValueError(
+            f"the checkpoint set {path} is of another run ({pairs}): resume with the same "
+            "settings, or give another --checkpoint-dir"
+        )
+
+
+def _save(run: _Run, saver: Checkpointer, done: int, result: RunResult, train_time: float):
+    """Write the checkpoint set after ``done`` epochs (collective)."""
+    extra = {"records": result.epochs, "train_time": train_time,
+             "traffic": run.traffic.state_dict(), "config": run.config.to_dict()}  # fmt: skip
+    saver.save(done, model=run.model, optimizer=run.optimizer, accordion=run.state,
+               batch=run.controller, extra=extra)  # fmt: skip
 
 
 def _progress_bar(config: TrainConfig):

@@ -1,0 +1,14 @@
+"""Checkpoints: the Accordion state's format, and consistent sets for a whole job.
+
+* :mod:`accordion.checkpoint.format` -- the format of ``AccordionState.state_dict()``
+  (``FORMAT``, reading older formats, checking who wrote a file);
+* :mod:`accordion.checkpoint.sets` -- :class:`Checkpointer`: atomic, consistent
+  checkpoint sets of every rank (model, optimizer, scheduler, Accordion state, batch
+  controller, RNG, the loop's position), the newest complete one found on resume,
+  a changed world size handled (:mod:`accordion.checkpoint.reshard`).
+"""
+
+from .format import FORMAT, READABLE, check_owner, upgrade
+from .sets import Checkpointer, Restored
+
+__all__ = ["FORMAT", "READABLE", "check_owner", "upgrade", "Checkpointer", "Restored"]
