@@ -94,7 +94,7 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
             payload = self._payload(step, world, rank, model, optimizer, scheduler, accordion,
                                     batch, extra)  # fmt: skip
-            _atomic_save(payload, folder / f"rank-{rank}.pt")
+            atomic_save(payload, folder / f"rank-{rank}.pt")
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
         _raise_unless_all(error, f"saving checkpoint set {folder}")
@@ -242,7 +242,10 @@ def _load(path: Path, map_location: Any) -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` through a temporary file and a rename: a reader (or a
+    resume after a kill) finds the old file or the new one, never half of one."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one
@@ -320,4 +323,4 @@ def _raise_unless_all(error: BaseException | None, what: str) -> None:
         raise kind(f"{what} failed on another rank: {told}")
 
 
-__all__ = ["Checkpointer", "Restored", "SET_FORMAT", "MARKER"]
+__all__ = ["Checkpointer", "Restored", "SET_FORMAT", "MARKER", "atomic_save"]

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .._validate import check_bool
+from ..checkpoint.sets import atomic_save
 from ..ddp import AccordionState, find_ddp
 
 #: Name of a rank's Accordion state file inside a checkpoint folder.
@@ -79,7 +80,7 @@ def save_rank_state(state: AccordionState, folder: str | os.PathLike, rank: int)
     the path. Every rank calls it: error-feedback memories differ between ranks."""
     os.makedirs(folder, exist_ok=True)
     path = state_path(folder, rank)
-    torch.save(state.state_dict(), path)
+    atomic_save(state.state_dict(), path)  # a kill mid-save leaves the old file whole
     return path
 
 
