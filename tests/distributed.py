@@ -51,6 +51,13 @@ def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         join=False,
         start_method="spawn",
     )
+    join_or_kill(ctx, timeout)
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def join_or_kill(ctx, timeout: float) -> None:
+    """Join the processes of ``ctx`` (``mp.start_processes(join=False)``); re-raises a
+    worker's error, and kills them all and raises ``TimeoutError`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -58,7 +65,6 @@ def run_processes(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"distributed workers did not finish within {timeout} s")
-    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def set_torchrun_environment(rank: int, world_size: int) -> None:

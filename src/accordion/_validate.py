@@ -81,3 +81,16 @@ def check_state_keys(state: Any, expected: frozenset[str], owner: str) -> None:
             f"state is not a {owner} state_dict: missing keys {missing}, "
             f"unexpected keys {unexpected}"
         )
+
+
+def check_tensor_shapes(what: str, tensors, shapes, owner: str = "tensor") -> None:
+    """Raise ``ValueError`` unless every ``tensors[key]`` belongs to a key of ``shapes``
+    and has its shape (``what`` names the mapping, ``owner`` what ``shapes`` describes)."""
+    for key, tensor in tensors.items():
+        if key not in shapes:
+            raise ValueError(f"{what}[{key!r}] belongs to no {owner} of shapes")
+        if tuple(tensor.shape) != tuple(shapes[key]):
+            raise ValueError(
+                f"{what}[{key!r}] has shape {tuple(tensor.shape)}, its {owner} "
+                f"{tuple(shapes[key])}"
+            )

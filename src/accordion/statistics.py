@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_int, check_tensor_shapes
 
 #: The keys of a :meth:`GradientSums.state_dict`; a plain map of tensors is the sums alone
 #: (checkpoints written before the count of skipped steps).
@@ -109,14 +109,7 @@ class GradientSums:
     def check_shapes(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Raise ``ValueError`` unless every sum belongs to a key of ``shapes`` and has
         its shape (a loaded checkpoint's consistency)."""
-        for key, acc in self._sums.items():
-            if key not in shapes:
-                raise ValueError(f"accumulators[{key!r}] belongs to no parameter of shapes")
-            if tuple(acc.shape) != tuple(shapes[key]):
-                raise ValueError(
-                    f"accumulators[{key!r}] has shape {tuple(acc.shape)}, the parameter "
-                    f"{tuple(shapes[key])}"
-                )
+        check_tensor_shapes("accumulators", self._sums, shapes, owner="parameter")
 
     def state_dict(self) -> dict[str, Any]:
         """The sums (cloned), and per key the period's steps and skipped steps and the

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .._validate import check_tensor_shapes
+
 
 class ErrorFeedback:
     """Residual memory: ``M = grad + memory`` before compression, ``memory = M - sent`` after.
@@ -86,14 +88,7 @@ class ErrorFeedback:
 
     def check_shapes(self, shapes: Mapping[Hashable, Any]) -> None:
         """Raise ``ValueError`` unless each memory has the shape of its tensor."""
-        for key, t in self._memory.items():
-            if key not in shapes:
-                raise ValueError(f"memory[{key!r}] belongs to no tensor of shapes")
-            if tuple(t.shape) != tuple(shapes[key]):
-                raise ValueError(
-                    f"memory[{key!r}] has shape {tuple(t.shape)}, its tensor "
-                    f"{tuple(shapes[key])}"
-                )
+        check_tensor_shapes("memory", self._memory, shapes)
 
 
 class NoMemory:
