@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -27,9 +28,9 @@ def plan_compressors() -> tuple[str, ...]:
 PLAN_COMPRESSOR = "powersgd"
 
 PLAN_JSON_KEYS = """\
---json prints one object: model, num_classes, parameters, tensors, compressed_tensors,
-workers, steps, compressor, bandwidth_bytes_per_s, latency_s, and "levels": a list with
-one entry for dense and one per level, each with
+--json prints one object: model, num_classes (null for the language models), parameters,
+tensors, compressed_tensors, workers, steps, compressor, bandwidth_bytes_per_s, latency_s,
+and "levels": a list with one entry for dense and one per level, each with
   label                 "dense", or the compressor's name of the level: "rank R", "top-k K"
   compressor, level     the compressor kind and its level (null for dense)
   floats_per_step       floats one worker sends per step, paper convention
@@ -42,6 +43,21 @@ With --layers, also "layers": one entry per parameter tensor, each with
   dense_bytes           bytes one worker sends for it per step, dense
   dense_time_s          their transfer time (bandwidth term: latency is per bucket)
   bytes, time_s         the same at each level, in the order of "levels" after dense
+With --compressor topk, also "topk_break_even": where top-k stops paying, with
+  workers               the worker count W
+  density               the kept fraction above which top-k's all-gathers put more bytes
+                        on the wire than a dense ring all-reduce: 2 e / (W (e + i)), so
+                        1/W for fp32 values and int32 indices (null for one worker, or
+                        when top-k compresses no tensor)
+  paper_density         the same in the paper's floats (2 k W against numel): 1/(2W)
+  value_bytes           bytes per value sent, e
+  index_bytes           bytes per index sent, i (4: int32; 8 for tensors of >= 2**31)
+  bytes_vs_dense        each level's bytes_per_step / dense's, in the order of "levels"
+                        after dense (above 1: that level sends more than dense)
+With a list of --workers or of --bandwidth values, workers and bandwidth_bytes_per_s are
+lists, and "grid" replaces "levels" and "topk_break_even": one entry per worker count
+and link rate, worker counts outermost, each with workers, bandwidth_bytes_per_s, levels
+and (for top-k) topk_break_even as above.
 """
 
 
@@ -85,14 +101,44 @@ def _bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], float, float]:
-    """The checked ``plan`` arguments: (levels, bandwidth, latency); usage errors exit 2."""
-    from .models import MODEL_NAMES
+def _plan_list(parser: argparse.ArgumentParser, flag: str, text: str, parse, allowed: str):
+    """The comma-separated values of ``flag``, each read by ``parse``; a usage error (exit
+    2) naming the flag, the value and what is allowed for an empty or unreadable item."""
+    items = [item.strip() for item in text.split(",")]
+    values = []
+    for item in items:
+        try:
+            values.append(parse(item))
+        except (TypeError, ValueError) as exc:
+            where = f" in {text!r}" if len(items) > 1 else ""
+            parser.error(f"argument {flag}: must be {allowed}, got {item!r}{where} ({exc})")
+    return values
+
+
+def _worker_count(text: str) -> int:
+    """One ``--workers`` item: an int >= 1."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise ValueError("not an int")
+    if int(text) < 1:
+        raise ValueError("below 1")
+    return int(text)
+
+
+_WORKERS_HELP = "an int >= 1, or a comma-separated list of them such as '8,64,512'"
+_BANDWIDTHS_HELP = (
+    "a link rate such as '10Gbit', or a comma-separated list of them such as '10Gbit,100Gbit'"
+)
+
+
+def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], list[int], list[float], float]:
+    """The checked ``plan`` arguments: (levels, worker counts, bandwidths in bytes/s,
+    latency in s); usage errors exit 2. Also resolves ``args.num_classes`` to the model's."""
+    from .models.shapes import default_num_classes, plan_model_names
 
     parser = args.parser
-    if args.model not in MODEL_NAMES:
+    if args.model not in plan_model_names():
         parser.error(
-            f"argument --model: must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}"
+            f"argument --model: must be one of {', '.join(plan_model_names())}, got {args.model!r}"
         )
     if args.compressor not in plan_compressors():
         parser.error(
@@ -105,64 +151,142 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], float, float]:
         levels = parse_levels(args.levels, args.compressor)
     except (TypeError, ValueError) as exc:
         parser.error(f"argument --levels: {exc}")
-    for flag, value, least in (
-        ("--workers", args.workers, 1),
-        ("--steps", args.steps, 0),
-        ("--num-classes", args.num_classes, 1),
-    ):
+    if args.num_classes is None:
+        args.num_classes = default_num_classes(args.model)
+    for flag, value, least in (("--steps", args.steps, 0), ("--num-classes", args.num_classes, 1)):
         if value < least:
             parser.error(f"argument {flag}: must be an int >= {least}, got {value}")
-    try:
-        bandwidth = parse_bandwidth(args.bandwidth)
-    except ValueError as exc:
-        parser.error(f"argument --bandwidth: {exc}")
+    workers = _plan_list(parser, "--workers", args.workers, _worker_count, _WORKERS_HELP)
+    bandwidths = _plan_list(parser, "--bandwidth", args.bandwidth, parse_bandwidth,
+                            _BANDWIDTHS_HELP)  # fmt: skip
+    if args.layers and len(workers) * len(bandwidths) > 1:
+        parser.error(
+            "argument --layers: needs one --workers and one --bandwidth value, got "
+            f"--workers {args.workers!r} and --bandwidth {args.bandwidth!r}"
+        )
     try:
         latency = parse_latency(args.latency)
     except ValueError as exc:
         parser.error(f"argument --latency: {exc}")
-    return levels, bandwidth, latency
+    return levels, workers, bandwidths, latency
+
+
+def _plan_summary(args, shapes, workers: list[int], bandwidths: list[float], latency: float):
+    """The run settings of a plan, as ``--json`` prints them (lists for a grid)."""
+    from .models.shapes import takes_classes
+
+    grid = len(workers) * len(bandwidths) > 1
+    return {
+        "model": args.model,
+        "num_classes": args.num_classes if takes_classes(args.model) else None,
+        "parameters": sum(math.prod(s) for s in shapes),
+        "tensors": len(shapes),
+        "compressed_tensors": sum(compressor_class(args.compressor).applies_to(s) for s in shapes),
+        "workers": workers if grid else workers[0],
+        "steps": args.steps,
+        "compressor": args.compressor,
+        "bandwidth_bytes_per_s": bandwidths if grid else bandwidths[0],
+        "latency_s": latency,
+    }
+
+
+def _break_even(shapes, workers: int, rows) -> dict[str, Any]:
+    """``topk_break_even`` of ``--json``: where top-k stops paying, and each level's bytes
+    against dense's (null where dense sends nothing)."""
+    from .plan import topk_break_even
+
+    dense = rows[0].bytes_per_step
+    ratios = [row.bytes_per_step / dense if dense else None for row in rows[1:]]
+    return {**topk_break_even(shapes, workers).as_dict(), "bytes_vs_dense": ratios}
+
+
+def _grid_entry(cell, shapes, topk: bool) -> dict[str, Any]:
+    """One entry of ``--json``'s "grid": a worker count, a link rate and the plan there."""
+    entry = {
+        "workers": cell.workers,
+        "bandwidth_bytes_per_s": cell.bandwidth,
+        "levels": [row.as_dict() for row in cell.rows],
+    }
+    if topk:
+        entry["topk_break_even"] = _break_even(shapes, cell.workers, cell.rows)
+    return entry
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from .models import get_model
-    from .plan import layer_plan, make_plan
+    from .models.shapes import named_shapes
+    from .plan import layer_plan, make_plan, scaling_plan
 
-    levels, bandwidth, latency = _plan_inputs(args)
-    model = get_model(args.model, num_classes=args.num_classes)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    rows = make_plan(shapes, args.compressor, levels, args.workers, args.steps, bandwidth, latency)
+    levels, workers, bandwidths, latency = _plan_inputs(args)
+    named = named_shapes(args.model, args.num_classes)
+    shapes = [shape for _, shape in named]
+    summary = _plan_summary(args, shapes, workers, bandwidths, latency)
+    topk = args.compressor == "topk"
+    if len(workers) * len(bandwidths) > 1:
+        cells = scaling_plan(shapes, args.compressor, levels, workers, bandwidths, args.steps,
+                             latency)  # fmt: skip
+        if args.json:
+            grid = [_grid_entry(cell, shapes, topk) for cell in cells]
+            print(json.dumps({**summary, "grid": grid}))
+        else:
+            _print_scaling(args, summary, cells, shapes)
+        return 0
+    rows = make_plan(shapes, args.compressor, levels, workers[0], args.steps, bandwidths[0],
+                     latency)  # fmt: skip
     layer_rows = []
     if args.layers:
-        named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-        layer_rows = layer_plan(named, args.compressor, levels, args.workers, bandwidth)
-    summary = {
-        "model": args.model,
-        "num_classes": args.num_classes,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "tensors": len(shapes),
-        "compressed_tensors": sum(compressor_class(args.compressor).applies_to(s) for s in shapes),
-        "workers": args.workers,
-        "steps": args.steps,
-        "compressor": args.compressor,
-        "bandwidth_bytes_per_s": bandwidth,
-        "latency_s": latency,
-    }
+        layer_rows = layer_plan(named, args.compressor, levels, workers[0], bandwidths[0])
     if args.json:
+        extra = {"topk_break_even": _break_even(shapes, workers[0], rows)} if topk else {}
         layers = {"layers": [r.as_dict() for r in layer_rows]} if args.layers else {}
-        print(json.dumps({**summary, "levels": [row.as_dict() for row in rows], **layers}))
+        levels_out = [row.as_dict() for row in rows]
+        print(json.dumps({**summary, "levels": levels_out, **extra, **layers}))
     else:
         _print_plan(args, summary, rows, layer_rows)
+        if topk:
+            print(_break_even_line(_break_even(shapes, workers[0], rows), rows))
     return 0
+
+
+def _plan_header(args: argparse.Namespace, summary: dict[str, Any]) -> str:
+    """The plan's first line: the model, its size, the workers and the steps."""
+    classes = "" if summary["num_classes"] is None else f", {summary['num_classes']} classes"
+    workers = summary["workers"]
+    workers = ", ".join(map(str, workers)) if isinstance(workers, list) else str(workers)
+    return (
+        f"accordion plan: {args.model}{classes}, {summary['parameters']:,} parameters in "
+        f"{summary['tensors']} tensors ({summary['compressed_tensors']} compressible), "
+        f"{workers} workers, {args.steps:,} steps"
+    )
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
+
+
+def _break_even_line(entry: dict[str, Any], rows) -> str:
+    """The plain form of ``topk_break_even``: the density, the formula, each level's bytes."""
+    w = entry["workers"]
+    head = f"top-k break-even at {w} worker{'s' if w != 1 else ''}: "
+    if entry["density"] is None:
+        why = "one worker sends nothing" if w == 1 else "top-k compresses no tensor"
+        return head + f"none ({why})"
+    density, paper = entry["density"], entry["paper_density"]
+    # the common case reads as the rule it is: 1/W of the entries
+    exact = f"1/{w} = " if math.isclose(density * w, 1.0) else ""
+    value, index = entry["value_bytes"], entry["index_bytes"]
+    ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
+    levels = ", ".join(f"{row.label} {ratio}" for row, ratio in zip(rows[1:], ratios))
+    return (
+        f"{head}density {exact}{_percent(density)} of the entries kept (paper floats: "
+        f"1/{2 * w} = {_percent(paper)})\n  above it, all-gathering {value}-byte values + "
+        f"{index:g}-byte indices sends more than a dense ring all-reduce; bytes against "
+        f"dense: {levels}"
+    )
 
 
 def _print_plan(args: argparse.Namespace, summary: dict[str, Any], rows, layer_rows) -> None:
     """The human form of the plan: a header, one row per level, then the tensors."""
-    print(
-        f"accordion plan: {args.model}, {args.num_classes} classes, "
-        f"{summary['parameters']:,} parameters in {summary['tensors']} tensors "
-        f"({summary['compressed_tensors']} compressible), {args.workers} workers, "
-        f"{args.steps:,} steps"
-    )
+    print(_plan_header(args, summary))
     print(
         f"link {args.bandwidth}, latency {args.latency}: alpha-beta model, ring collectives; "
         "floats per worker in the paper's convention"
@@ -205,6 +329,53 @@ def _print_table(header: Sequence[str], table: Sequence[Sequence[str]]) -> None:
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ]
         print("  ".join(padded))
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def _marked(value: float, dense: float, text: str) -> str:
+    # a star where a level costs more than dense: the cells where compressing stops paying
+    return text + ("*" if value > dense * (1 + 1e-12) else " ")
+
+
+def _print_scaling(args: argparse.Namespace, summary: dict[str, Any], cells, shapes) -> None:
+    """The human form of a grid: predicted communication ms per step of each level at each
+    worker count and link rate, the bytes per worker at each worker count, and for top-k
+    each worker count's break-even; a star marks a figure above dense's."""
+    print(_plan_header(args, summary))
+    rates = [item.strip() for item in args.bandwidth.split(",")]
+    print(
+        f"links {', '.join(rates)}, latency {args.latency}: alpha-beta model, ring collectives "
+        "(all-reduce 2(W-1)a + 2(W-1)/W S/B, all-gather (W-1)a + (W-1) s/B); "
+        "* more than dense"
+    )
+    labels = [row.label for row in cells[0].rows]
+    print("\ncomm ms/step")
+    _print_table(
+        ("level", *(f"{c.workers} @ {rates[i % len(rates)]}" for i, c in enumerate(cells))),
+        [
+            (label, *(_marked(c.rows[j].comm_time_per_step_s, c.rows[0].comm_time_per_step_s,
+                              _ms(c.rows[j].comm_time_per_step_s)) for c in cells))
+            for j, label in enumerate(labels)
+        ],
+    )  # fmt: skip
+    per_workers = cells[:: len(rates)]  # the bytes do not depend on the link rate
+    print("\nbytes/step per worker (ring collectives)")
+    _print_table(
+        ("level", *(f"{c.workers} workers" for c in per_workers)),
+        [
+            (label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
+                              _bytes(c.rows[j].bytes_per_step)) for c in per_workers))
+            for j, label in enumerate(labels)
+        ],
+    )  # fmt: skip
+    if args.compressor == "topk":
+        print()
+        for c in per_workers:
+            print(_break_even_line(_break_even(shapes, c.workers, c.rows), c.rows))
 
 
 def _train_defaults() -> dict[str, str]:
@@ -572,6 +743,8 @@ def _cluster_command(args: argparse.Namespace) -> int:
 
 def _add_plan(sub: Any) -> None:
     """The ``plan`` subcommand; the compressors and their default levels from the registry."""
+    from .models.shapes import plan_model_names
+
     plan = sub.add_parser(
         "plan",
         help="predict what each compression level sends for a model",
@@ -580,9 +753,25 @@ def _add_plan(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = plan.add_argument
-    add("--model", default="resnet18", help="model name (default %(default)s)")
-    add("--num-classes", type=int, default=10, help="classes (default %(default)s)")
-    add("--workers", type=int, default=4, help="data-parallel workers (default %(default)s)")
+    add(
+        "--model",
+        default="resnet18",
+        help=f"model name: {', '.join(plan_model_names())} (default %(default)s); resnet50 "
+        "(ImageNet) and transformer-1b (GPT-2-style, 18 x 2048) are known by their shapes only",
+    )
+    add(
+        "--num-classes",
+        type=int,
+        default=None,
+        help="classes (default the model's: 1000 for resnet50, else 10; the language models "
+        "lstm and transformer-1b ignore it)",
+    )
+    add(
+        "--workers",
+        default="4",
+        help="data-parallel workers, or a comma-separated list such as 8,64,512 for a "
+        "scaling grid (default %(default)s)",
+    )
     add("--steps", type=int, default=29400, help="optimizer steps (default %(default)s)")
     names = plan_compressors()
     add("--compressor", default=PLAN_COMPRESSOR, help=f"{', '.join(names)} (default %(default)s)")
@@ -593,7 +782,12 @@ def _add_plan(sub: Any) -> None:
         help="comma-separated levels, mildest first, as the compressor reads them (PowerSGD "
         f"ranks, top-k fractions, ...); default the compressor's own: {defaults}",
     )
-    add("--bandwidth", default="10Gbit", help="link rate (default %(default)s)")
+    add(
+        "--bandwidth",
+        default="10Gbit",
+        help="link rate, or a comma-separated list such as 10Gbit,25Gbit,100Gbit for a scaling "
+        "grid (default %(default)s)",
+    )
     add("--latency", default="50us", help="per-message latency (default %(default)s)")
     add("--json", action="store_true", help="print one JSON object (keys below)")
     add("--layers", action="store_true", help="also per tensor: bytes and transfer time per step")
