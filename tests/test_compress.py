@@ -503,3 +503,13 @@ def test_a_key_switched_to_dense_sends_what_its_memory_owes_and_then_forgets_it(
     SimulatedTransport(1).run([reducer.exchange(["w"], [work], 1)])
     torch.testing.assert_close(work, second + owed)  # one worker: the average is the input
     assert reducer.memory.get("w") is None
+
+
+def test_a_new_set_of_keys_drops_the_buffers_of_older_sets_sharing_a_key():
+    # DDP rebuilds its buckets after the first step: the first step's sets are obsolete
+    reducer = Reducer(PowerSGD(2), ErrorFeedback())
+    grads = {k: torch.randn(8, 6) for k in "abc"}
+    world = SimulatedTransport(1)
+    for keys in (["a"], ["b", "c"], ["a", "b"], ["a", "b"]):
+        world.run([reducer.exchange(keys, [grads[k].clone() for k in keys], 1)])
+    assert [signature[0] for signature in reducer._buffers] == [("a", "b")]

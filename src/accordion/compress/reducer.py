@@ -241,6 +241,12 @@ class Reducer:
         signature = (tuple(keys), like.dtype, like.device)
         pair = self._buffers.pop(signature, None)  # re-inserted last: the most recent
         if pair is None or pair[0].numel() != numel:
+            # A key is in one set at a time: an older set sharing a key with this one is
+            # obsolete (DDP rebuilt its buckets after its first step, a tensor went dense)
+            # and would otherwise stay until _MAX_BUFFER_SETS newer sets pushed it out.
+            fresh = set(keys)
+            for old in [s for s in self._buffers if not fresh.isdisjoint(s[0])]:
+                del self._buffers[old]
             pair = [like.new_empty(numel), like.new_empty(numel), 0]
         buffer = pair[pair[2]]
         pair[2] = 1 - pair[2]
