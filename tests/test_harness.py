@@ -24,6 +24,7 @@ ALL_FAMILIES = [
     "accordion:powersgd:2,1",
     "accordion:topk:0.5,0.1",
     "torch-powersgd:1",
+    "torch-fp16",
     "static-batch:64",
     "batch-fixed:32,64",
     "batch:32,64+accordion:powersgd:2,1",

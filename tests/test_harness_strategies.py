@@ -314,3 +314,37 @@ def test_attach_strategy_builds_the_named_rule_with_its_block(monkeypatch, text,
     (kwargs,) = made
     assert kwargs["rule"].name == rule
     assert getattr(kwargs["rule"], "block", "none") == block
+
+
+@pytest.mark.parametrize(("text", "level"), [("torch-fp16", "fp16"), ("torch-bf16", "bf16")])
+def test_torch_half_strategies_name_pytorchs_cast_hooks(text, level):
+    strategy = parse_strategy(text)
+    assert (strategy.family, strategy.compressor, strategy.levels) == ("torch-half", "half",
+                                                                       (level,))  # fmt: skip
+    assert not strategy.uses_accordion_hook
+
+
+def test_torch_fp16_traffic_is_every_tensor_at_half_the_dense_bytes():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    half = train._Traffic(parse_strategy("torch-fp16"), model, None, 4)
+    dense = train._Traffic(parse_strategy("dense"), model, None, 4)
+    for traffic in (half, dense):
+        traffic.step()
+    assert half.totals()[0] == dense.totals()[0]  # the paper counts floats, whatever width
+    assert half.totals()[1] == pytest.approx(dense.totals()[1] / 2)
+
+
+def test_attach_strategy_registers_pytorchs_fp16_compress_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = _HookRecorder()
+    config = TrainConfig(strategy="torch-fp16")
+    strategy = parse_strategy("torch-fp16")
+    assert train._attach_strategy(config, strategy, nn.Linear(2, 2), ddp) is None
+    assert ddp.hooks == [(None, default_hooks.fp16_compress_hook)]
+
+
+def test_torch_bf16_on_a_machine_without_cuda_is_refused_before_training(monkeypatch):
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="bf16_compress_hook needs CUDA"):
+        TrainConfig(strategy="torch-bf16").validate()

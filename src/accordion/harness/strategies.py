@@ -6,6 +6,8 @@
                                       levels, from the mildest to the most aggressive
 ``torch-powersgd:R``                  PyTorch's own ``powerSGD_hook`` at rank R (outside
                                       baseline)
+``torch-fp16``, ``torch-bf16``        PyTorch's own ``fp16_compress_hook`` /
+                                      ``bf16_compress_hook`` (what users try first)
 
 ``COMPRESSOR`` is any registered compressor but ``dense`` (see
 :func:`accordion.compress.compressor_names`), and a level is written as that compressor
@@ -51,6 +53,8 @@ FORMATS = (
     "<static or accordion strategy>:auto",
     "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay]",
     "torch-powersgd:R",
+    "torch-fp16",
+    "torch-bf16",
     "static-batch:B",
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
@@ -59,6 +63,9 @@ FORMATS = (
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
 #: The compressor of PyTorch's own hook, the ``torch-powersgd:R`` baseline.
 TORCH_POWERSGD = "powersgd"
+#: PyTorch's cast-to-half hooks, by strategy name: the level of our ``half`` compressor
+#: that sends the same bytes (the ``torch-half`` family).
+TORCH_HALF = {"torch-fp16": "fp16", "torch-bf16": "bf16"}
 
 
 def strategy_compressors() -> tuple[str, ...]:
@@ -71,7 +78,8 @@ def strategy_compressors() -> tuple[str, ...]:
 class Strategy:
     """A parsed strategy string.
 
-    ``family`` is "dense", "static", "accordion" or "torch-powersgd"; ``compressor`` is
+    ``family`` is "dense", "static", "accordion", "torch-powersgd" or "torch-half"
+    (PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook``); ``compressor`` is
     "dense" or a registered compressor's name; ``levels`` is the ladder, mildest first
     (one level for static strategies and PyTorch's hook, none for dense). ``mild`` and
     ``aggressive`` are its first and last levels (``None`` for dense).
@@ -187,6 +195,8 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     parts = text.strip().split(":")
     if parts == ["dense"]:
         return Strategy(text, "dense", "dense")
+    if len(parts) == 1 and parts[0] in TORCH_HALF:
+        return Strategy(text, "torch-half", "half", (TORCH_HALF[parts[0]],))
     if len(parts) == 2 and parts[0] == "torch-powersgd":
         rank = _level(compressor_class(TORCH_POWERSGD), parts[1], text)
         return Strategy(text, "torch-powersgd", TORCH_POWERSGD, (rank,))

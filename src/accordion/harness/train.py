@@ -107,6 +107,12 @@ class TrainConfig:
         from .data import check_global_batch, check_task
 
         strategy = parse_strategy(self.strategy)
+        if strategy.family == "torch-half" and strategy.mild == "bf16":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"strategy {self.strategy!r}: PyTorch's bf16_compress_hook needs CUDA "
+                    "(and NCCL 2.10+); on CPU, static:half:bf16 is our hook's bf16 level"
+                )
         if world is not None:
             check_int("world", world, 1)
         for name in ("epochs", "batch_size", "bptt", "checkpoint_every"):
@@ -260,7 +266,9 @@ class _Traffic:
         self.steps += 1
         if self.state is not None:
             return  # the Accordion state keeps its own ledger
-        if self.strategy.family == "dense" or self.steps < TORCH_POWERSGD_START_ITER:
+        if self.strategy.family == "torch-half":  # every tensor of the bucket, halved
+            kinds = [("half", self.strategy.mild)] * len(self.shapes)
+        elif self.strategy.family == "dense" or self.steps < TORCH_POWERSGD_START_ITER:
             kinds = [("dense", None)] * len(self.shapes)
         else:
             kinds = [self._torch_kind(s) for s in self.shapes]
@@ -316,6 +324,13 @@ def _attach_strategy(config: TrainConfig, strategy: Strategy, model: nn.Module, 
         )
         ddp.register_comm_hook(state, accordion_hook)
         return state
+    if strategy.family == "torch-half":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {"fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[strategy.mild]  # fmt: skip
+        ddp.register_comm_hook(None, hook)
+        return None
     if strategy.family == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
