@@ -100,6 +100,16 @@ class AccordionState(Controller):
         return transport.run_async(exchange).then(unpack)
 
 
+def check_state(state: object) -> AccordionState:
+    """``state`` if it is an :class:`AccordionState`, else ``TypeError`` naming its type
+    (the integrations' check of what they are given)."""
+    if not isinstance(state, AccordionState):
+        raise TypeError(
+            f"state must be an accordion.ddp.AccordionState, got {type(state).__name__}"
+        )
+    return state
+
+
 _NOT_A_BUCKET = (
     "accordion_hook needs a dist.GradBucket, got {}: DDP calls comm hooks per parameter "
     "when built with torch._dynamo.config.optimize_ddp = 'python_reducer' (for compiled "
@@ -175,4 +185,4 @@ def accordion_hook(
     return state.reduce_bucket(bucket)
 
 
-__all__ = ["AccordionState", "accordion_hook", "find_ddp", "DEFAULT_LEVELS"]
+__all__ = ["AccordionState", "accordion_hook", "check_state", "find_ddp", "DEFAULT_LEVELS"]

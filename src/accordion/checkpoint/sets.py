@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .._validate import check_choice, check_int
+from ..compress.transport import world_and_rank
 from .reshard import POLICIES, old_ranks, reshard
 
 #: Version of a set's files.
@@ -82,7 +83,7 @@ class Checkpointer:
         """Write this rank's file of set ``step`` and, once every rank has, the marker.
         Returns the set's folder. Raises on every rank if any rank failed to write."""
         check_int("step", step, 0)
-        world, rank = _world()
+        world, rank = world_and_rank()
         if self.run_id is None:
             self.run_id = _agreed(uuid.uuid4().hex if rank == 0 else None)
         folder = self.directory / f"{_PREFIX}{step:08d}"
@@ -150,7 +151,7 @@ class Checkpointer:
         """Restore the newest complete set into the objects given; ``None`` when there is
         none (a fresh start). Every rank loads the set rank 0 found; a set whose files do
         not belong together raises ``ValueError`` on every rank, before anything changes."""
-        world, rank = _world()
+        world, rank = world_and_rank()
         latest = self.latest() if rank == 0 else None
         found = _agreed(None if latest is None else str(latest))
         if found is None:
@@ -285,15 +286,9 @@ def _plain(python_state: tuple) -> list:
     return [version, list(internal), gauss]
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
 def _agreed(value: Any) -> Any:
     """Rank 0's ``value`` on every rank."""
-    if _world()[0] == 1:
+    if world_and_rank()[0] == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -301,14 +296,14 @@ def _agreed(value: Any) -> Any:
 
 
 def _barrier() -> None:
-    if _world()[0] > 1:
+    if world_and_rank()[0] > 1:
         dist.barrier()
 
 
 def _raise_unless_all(error: BaseException | None, what: str) -> None:
     """Raise on every rank when any rank failed: its own error, or one that repeats the
     failed ranks' messages (a ``ValueError`` when theirs were)."""
-    world, rank = _world()
+    world, rank = world_and_rank()
     mine = [] if error is None else [(rank, type(error).__name__, str(error))]
     failures = mine
     if world > 1:

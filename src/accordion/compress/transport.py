@@ -409,6 +409,16 @@ def group_timeout(process_group: Any = None) -> timedelta | None:
     return None
 
 
+def world_and_rank(group: Any = None) -> tuple[int, int]:
+    """``(world size, rank)`` of ``group`` (the default group by default); ``(1, 0)``
+    when no process group is initialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
 def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
     """A process group with the ranks of ``process_group``, used only by Accordion.
 

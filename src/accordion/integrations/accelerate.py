@@ -38,7 +38,7 @@ from torch import nn
 
 from .._validate import check_bool
 from ..checkpoint.sets import atomic_save
-from ..ddp import AccordionState, find_ddp
+from ..ddp import AccordionState, check_state, find_ddp
 
 #: Name of a rank's Accordion state file inside a checkpoint folder.
 STATE_FILE = "accordion-rank{rank}.pt"
@@ -60,13 +60,6 @@ def _check_accelerator(accelerator: Any) -> None:
     if not isinstance(accelerator, _accelerate().Accelerator):
         raise TypeError(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
-        )
-
-
-def _check_state(state: Any) -> None:
-    if not isinstance(state, AccordionState):
-        raise TypeError(
-            f"state must be an accordion.ddp.AccordionState, got {type(state).__name__}"
         )
 
 
@@ -118,7 +111,7 @@ def register(accelerator: Any, model: nn.Module, state: AccordionState, *, check
     then writes ``dir/accordion-rank{r}.pt`` on every rank and ``load_state(dir)`` reads it.
     """
     _check_accelerator(accelerator)
-    _check_state(state)
+    check_state(state)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_bool("checkpoint", checkpoint)
@@ -165,7 +158,7 @@ def _register_checkpoint_hooks(accelerator: Any, state: AccordionState) -> None:
 def _skips(accelerator: Any, state: AccordionState) -> bool:
     """Whether an end of step or epoch has nothing to tell ``state`` (one process)."""
     _check_accelerator(accelerator)
-    _check_state(state)
+    check_state(state)
     return accelerator.num_processes == 1
 
 

@@ -62,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from .._validate import check_choice
-from ..ddp import AccordionState, accordion_hook, find_ddp
+from ..compress.transport import world_and_rank
+from ..ddp import AccordionState, accordion_hook, check_state, find_ddp
 from ..policy import UNITS
 
 _INSTALL = (
@@ -114,10 +115,7 @@ class AccordionCallback(pl.Callback):
     """
 
     def __init__(self, state: AccordionState, *, unit: str | None = None):
-        if not isinstance(state, AccordionState):
-            raise TypeError(
-                f"state must be an accordion.ddp.AccordionState, got {type(state).__name__}"
-            )
+        check_state(state)
         if unit is not None:
             check_choice("unit", unit, UNITS)
             if unit != state.interval_unit:
@@ -262,7 +260,7 @@ class AccordionCallback(pl.Callback):
         if not self.active:
             return {}
         entry = {"state": _map_tensors(self.state.state_dict(), "cpu"), "offset": self._offset}
-        world, rank = _world()
+        world, rank = world_and_rank()
         if world == 1:
             return {"format": FORMAT, "world_size": 1, "ranks": [entry]}
         gathered = [None] * world if rank == 0 else None
@@ -286,7 +284,7 @@ class AccordionCallback(pl.Callback):
                 stacklevel=2,
             )
             return
-        world, rank = _world()
+        world, rank = world_and_rank()
         ranks = state_dict.get("ranks")
         if state_dict.get("world_size") != world or not isinstance(ranks, list):
             raise ValueError(
@@ -315,12 +313,6 @@ def _check_strategy_hook(strategy: Any, state: AccordionState) -> None:
 
 def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or repr(hook)
-
-
-def _world() -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(), dist.get_rank()
 
 
 def _map_tensors(obj: Any, device: torch.device | str) -> Any:

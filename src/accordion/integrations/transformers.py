@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from .._validate import check_bool
-from ..ddp import AccordionState, find_ddp
+from ..ddp import AccordionState, check_state, find_ddp
 from .accelerate import load_rank_state, save_rank_state, state_path
 
 try:
@@ -70,10 +70,7 @@ class AccordionTrainerCallback(TrainerCallback):
     """
 
     def __init__(self, state: AccordionState, trainer: Any = None, *, checkpoint: bool = True):
-        if not isinstance(state, AccordionState):
-            raise TypeError(
-                f"state must be an accordion.ddp.AccordionState, got {type(state).__name__}"
-            )
+        check_state(state)
         self.accordion_state = state
         self.checkpoint = check_bool("checkpoint", checkpoint)
         self.trainer = None
