@@ -16,6 +16,7 @@ from accordion.compress import (
     Dense,
     ErrorFeedback,
     NoMemory,
+    OneRoundPowerSGD,
     PowerSGD,
     Reducer,
     SimulatedTransport,
@@ -204,6 +205,7 @@ def compressor_strategy():
     return st.one_of(
         st.just(("dense", None)),
         st.tuples(st.just("powersgd"), st.integers(1, 4)),
+        st.tuples(st.just("powersgd1"), st.integers(1, 4)),
         st.tuples(st.just("topk"), st.floats(0.01, 1.0)),
     )
 
@@ -231,7 +233,11 @@ def test_error_feedback_conserves_mass_on_a_single_worker(spec, steps, shape, se
     torch.testing.assert_close(total_out + remainder, total_in, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("compressor", [PowerSGD(1), TopK(0.1)], ids=["powersgd", "topk"])
+@pytest.mark.parametrize(
+    "compressor",
+    [PowerSGD(1), OneRoundPowerSGD(1), TopK(0.1)],
+    ids=["powersgd", "powersgd1", "topk"],
+)
 def test_error_feedback_conserves_the_workers_mean_over_steps(compressor):
     gen = torch.Generator().manual_seed(1)
     workers, shape = 3, (12, 10)
@@ -291,7 +297,9 @@ def test_dense_matches_plain_averaging():
 # --- Zero, low precision and non-finite gradients --------------------------------------
 
 
-@pytest.mark.parametrize("name,level", [("dense", None), ("powersgd", 2), ("topk", 0.2)])
+@pytest.mark.parametrize(
+    "name,level", [("dense", None), ("powersgd", 2), ("powersgd1", 2), ("topk", 0.2)]
+)
 def test_zero_gradient_gives_zeros(name, level):
     grads = [[torch.zeros(6, 4)], [torch.zeros(6, 4)]]
     run_workers([Reducer(make_compressor(name, level)) for _ in range(2)], ["w"], grads)
@@ -310,7 +318,9 @@ def test_powersgd_recovers_after_zero_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name,level", [("dense", None), ("powersgd", 2), ("topk", 0.3)])
+@pytest.mark.parametrize(
+    "name,level", [("dense", None), ("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)]
+)
 def test_low_precision_inputs_keep_their_dtype_and_match_fp32(dtype, name, level):
     gen = torch.Generator().manual_seed(5)
     base = [[low_rank(16, 12, 2, gen)] for _ in range(2)]
@@ -324,7 +334,7 @@ def test_low_precision_inputs_keep_their_dtype_and_match_fp32(dtype, name, level
     assert (grads[0][0].float() - reference[0][0]).abs().max() < 0.05 * scale
 
 
-@pytest.mark.parametrize("name,level", [("powersgd", 2), ("topk", 0.3)])
+@pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
 def test_non_finite_gradient_warns_and_leaves_memory_untouched(name, level):
     reducers = [Reducer(make_compressor(name, level)) for _ in range(2)]
     run_workers(reducers, ["w"], [[torch.randn(6, 6)], [torch.randn(6, 6)]])
@@ -346,7 +356,7 @@ def test_non_finite_gradient_warns_and_leaves_memory_untouched(name, level):
     assert torch.isfinite(grads[0][0]).all()
 
 
-@pytest.mark.parametrize("name,level", [("powersgd", 2), ("topk", 0.3)])
+@pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
 def test_two_non_finite_steps_in_a_row_still_leave_the_memory_untouched(name, level):
     # the reducer reuses its input buffers every other step: the kept memory must not
     # be overwritten by the step after next

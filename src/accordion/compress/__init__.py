@@ -1,6 +1,7 @@
 """Gradient compression in three composable parts, as in GRACE.
 
-* compressors (``Dense``, ``PowerSGD``, ``TopK``, ``HalfPrecision``): what is sent, at a
+* compressors (``Dense``, ``PowerSGD``, ``OneRoundPowerSGD``, ``TopK``,
+  ``HalfPrecision``): what is sent, at a
   level per tensor that may change at any step; each describes itself (levels, order,
   the tensors it applies to, floats and bytes) and is found by name in one registry;
 * memories (``ErrorFeedback``, ``NoMemory``): what was not sent, added to the next step;
@@ -40,6 +41,7 @@ from .base import (
 from .powersgd import PowerSGD, orthogonalize_
 from .topk import TopK
 from .half import HalfPrecision
+from .powersgd1 import OneRoundPowerSGD
 from .memory import ErrorFeedback, NoMemory
 from .reducer import Reducer
 from .transport import (
@@ -65,6 +67,7 @@ __all__ = [
     "HalfPrecision",
     "LocalTransport",
     "NoMemory",
+    "OneRoundPowerSGD",
     "PowerSGD",
     "Reducer",
     "SimulatedTransport",

@@ -195,17 +195,23 @@ class PowerSGD(Compressor):
         return q
 
     def _start_q(self, key: Hashable, m: int, r: int, dtype, device) -> torch.Tensor:
-        q = self._q.get(key)
-        if q is None or q.shape[0] != m or q.dtype != dtype or q.device != device:
-            return self.initial_q(key, m, r, dtype, device)
-        if self._q_level.get(key) == self.level(key) and q.shape[1] == r:
-            return q
+        return self._warm(self._q.get(key), key, self.initial_q(key, m, r, dtype, device))
+
+    def _warm(self, stored: torch.Tensor | None, key: Hashable, seed: torch.Tensor):
+        """The factor to start from: ``stored`` (cut, or extended with ``seed``'s columns,
+        after a rank change, as ``on_rank_change`` says) or ``seed`` (whose shape, dtype
+        and device it must have)."""
+        size, r = seed.shape
+        if stored is None or stored.shape[0] != size or stored.dtype != seed.dtype \
+                or stored.device != seed.device:  # fmt: skip
+            return seed
+        if self._q_level.get(key) == self.level(key) and stored.shape[1] == r:
+            return stored
         if self.on_rank_change == "redraw":
-            return self.initial_q(key, m, r, dtype, device)
-        if q.shape[1] >= r:  # shrink: the leading columns are the best-converged directions
-            return q[:, :r]
-        fresh = self.initial_q(key, m, r, dtype, device)[:, q.shape[1] :]
-        return torch.cat([q, fresh], dim=1)
+            return seed
+        if stored.shape[1] >= r:  # shrink: the leading columns are the best-converged directions
+            return stored[:, :r]
+        return torch.cat([stored, seed[:, stored.shape[1] :]], dim=1)
 
     def exchange(
         self,
