@@ -450,6 +450,12 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers", type=int, default=1, help="local worker processes (ignored under torchrun)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--measure-compute", action="store_true", default=None,
+        help="before training, time the step's forward + backward without communication "
+        "(the maximum over the workers, on the first global batch) and write it in seconds "
+        "as compute_step_s in every epoch record of metrics.jsonl (default off)",
+    )  # fmt: skip
 
 
 def _make_config(

@@ -95,6 +95,10 @@ class TrainConfig:
     out: str | None = None
     checkpoint_dir: str | None = None  # consistent checkpoint sets (accordion.checkpoint)
     checkpoint_every: int = 1  # epochs between checkpoint sets (and one after the last)
+    #: Measure once before training the step's forward + backward without communication
+    #: (collective: the maximum over the ranks) and put it, in seconds, in every epoch
+    #: record as ``compute_step_s`` (``None`` for language tasks).
+    measure_compute: bool = False
 
     def validate(self, world: int | None = None) -> None:
         """Raise ``TypeError`` (a setting of the wrong type) or ``ValueError`` naming the
@@ -117,6 +121,8 @@ class TrainConfig:
             check_int("world", world, 1)
         for name in ("epochs", "batch_size", "bptt", "checkpoint_every"):
             check_int(name, getattr(self, name), 1)
+        if not isinstance(self.measure_compute, bool):
+            raise TypeError(f"measure_compute must be a bool, got {self.measure_compute!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
             raise TypeError(f"checkpoint_dir must be a str or None, got {self.checkpoint_dir!r}")
         for name in ("interval", "threads", "train_samples", "test_samples"):
@@ -499,6 +505,8 @@ class _Run:
     traffic: _Traffic
     optimizer: torch.optim.Optimizer
     logger: _Logger
+    #: ``TrainConfig.measure_compute``'s measurement (s), else ``None``.
+    compute_step_s: float | None = None
 
 
 def _set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> _Run:
@@ -522,9 +530,11 @@ def _set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> _Run
     model = _build_model(config, data).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = _attach_strategy(config, strategy, model, ddp)
-    if state is not None and strategy.auto and world > 1:  # one worker has no link to weigh
-        # collective: the step's computation, then the link and the compression costs
+    calibrates = state is not None and strategy.auto and world > 1  # one worker: no link
+    compute_s = None
+    if calibrates or config.measure_compute:  # the same on every rank: collective
         compute_s = _step_compute(ddp, data, config, rank, world, device)
+    if calibrates:  # collective: the link and the compression costs
         state.calibrate(compute_s=compute_s)
     traffic = _Traffic(strategy, model, state, world)
     optimizer = torch.optim.SGD(
@@ -533,7 +543,8 @@ def _set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> _Run
     )  # fmt: skip
     logger = _Logger(config.out if rank == 0 else None, config)
     return _Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
-                traffic, optimizer, logger)  # fmt: skip
+                traffic, optimizer, logger,
+                compute_s if config.measure_compute else None)  # fmt: skip
 
 
 def _epoch(run: _Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
@@ -545,7 +556,7 @@ def _epoch(run: _Run, epoch: int, train_time: float) -> tuple[dict[str, Any], fl
     if run.world > 1:
         dist.barrier()  # time the same span of work on every rank
     start = time.perf_counter()
-    loss_sum, batches = _train_epoch(
+    loss_sum, batches, step_times = _train_epoch(
         run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
         run.device, run.traffic, batch, controller,
     )  # fmt: skip
@@ -571,7 +582,10 @@ def _epoch(run: _Run, epoch: int, train_time: float) -> tuple[dict[str, Any], fl
         "lr": run.optimizer.param_groups[0]["lr"],
         "batch_size": batch,
         "levels": levels,
+        "step_times_s": step_times,
     }
+    if config.measure_compute:
+        record["compute_step_s"] = run.compute_step_s
     return record, train_time
 
 
@@ -641,7 +655,7 @@ def _resume(run: _Run, saver: Checkpointer | None, result: RunResult) -> tuple[i
 
 #: Settings that may change between a checkpoint and the run resuming from it.
 _RESUMABLE_CHANGES = ("epochs", "out", "progress", "threads", "checkpoint_dir",
-                      "checkpoint_every")  # fmt: skip
+                      "checkpoint_every", "measure_compute")  # fmt: skip
 
 
 def _check_same_run(config: TrainConfig, saved: dict[str, Any], path) -> None:
@@ -678,10 +692,15 @@ def _progress_bar(config: TrainConfig):
 
 
 def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
-                 traffic: _Traffic, batch: int, controller) -> tuple[float, int]:  # fmt: skip
+                 traffic: _Traffic, batch: int,
+                 controller) -> tuple[float, int, list[float]]:  # fmt: skip
     """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
     controller, each rank's share is split into micro-batches whose gradients accumulate
-    under ``no_sync()``: one all-reduce and one optimizer step per global batch."""
+    under ``no_sync()``: one all-reduce and one optimizer step per global batch.
+
+    Returns this rank's loss sum, the number of steps and each step's wall time (s, from
+    before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
+    CUDA, kernels still queued then are waited for, and counted, in the next step)."""
     ddp.train()
     loss_sum, count = 0.0, 0
     hidden = None
@@ -690,12 +709,14 @@ def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epo
     # lr is the rate at config.batch_size; the controller scales from its small batch on
     lr_scale = config.batch_lr_scale(controller.small if controller is not None else batch)
     params = [p for p in ddp.parameters() if p.requires_grad]
+    step_times: list[float] = []
     for step, (x, y) in enumerate(_train_batches(data, config, rank, world, epoch, batch)):
         lr = config.lr_at(epoch + step / steps_per_epoch) * lr_scale
         if controller is not None:
             lr *= controller.lr_factor()
         for group in optimizer.param_groups:
             group["lr"] = lr
+        started = time.perf_counter()  # local clock only: timing must not change what is sent
         optimizer.zero_grad(set_to_none=True)
         x, y = x.to(device), y.to(device)
         if language:
@@ -715,16 +736,18 @@ def _train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epo
         optimizer.step()
         if controller is not None:
             controller.step()
+        step_times.append(time.perf_counter() - started)
         traffic.step()
         loss_sum += step_loss
         count += 1
-    return loss_sum, count
+    return loss_sum, count, step_times
 
 
 def _step_compute(ddp: DDP, data, config: TrainConfig, rank: int, world: int, device):
     """Seconds of forward and backward per step (no communication) on the first global
-    batch, for the cost model; ``None`` for language tasks, whose step carries a hidden
-    state (the cost model then assumes no overlap)."""
+    batch, for the cost model and ``measure_compute`` (collective: every rank calls it);
+    ``None`` for language tasks, whose step carries a hidden state (the cost model then
+    assumes no overlap)."""
     if isinstance(data, LanguageData):
         return None
     x, y = next(iter(_train_batches(data, config, rank, world, 0, config.batch_size)))
