@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +74,14 @@ def test_a_rank_at_the_smaller_side_is_exact_at_the_first_step():
     mean = sum(g[0] for g in grads) / 3
     run_workers(reducers, ["w"], grads)
     torch.testing.assert_close(grads[0][0], mean)
+
+
+def test_a_rank_below_four_warns_at_binding_and_four_does_not():
+    with pytest.warns(RuntimeWarning, match="rank 1 can lose accuracy"):
+        AccordionState(_Net(), compressor="powersgd1", levels=(4, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AccordionState(_Net(), compressor="powersgd1", mild=4, aggressive=4)
 
 
 def test_an_exchange_asks_for_one_all_reduce_of_powersgds_floats():

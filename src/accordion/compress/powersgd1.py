@@ -50,10 +50,25 @@ class OneRoundPowerSGD(PowerSGD):
     name = "powersgd1"
     title = "one-round PowerSGD"
     STATE_KEYS = PowerSGD.STATE_KEYS | {"p"}
+    #: Ranks below this lost accuracy against PowerSGD in our measurements: the stale
+    #: bases lag behind what error feedback hands them (docs/hook.md).
+    LOW_RANK = 4
 
     def __init__(self, rank: int = 2, seed: int = 0, on_rank_change: str = "reuse"):
         super().__init__(rank, seed, on_rank_change)
         self._p: dict[Hashable, torch.Tensor] = {}
+
+    @classmethod
+    def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
+        """PowerSGD's warning, or one for a rank below :attr:`LOW_RANK`."""
+        message = super().level_warning(shapes, level)
+        if message is None and level < cls.LOW_RANK:
+            message = (
+                f"one-round PowerSGD at rank {level} can lose accuracy against PowerSGD at "
+                f"the same rank (its bases are a step stale; see docs/hook.md): prefer "
+                f"rank >= {cls.LOW_RANK}, or compressor='powersgd'"
+            )
+        return message
 
     @classmethod
     def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
