@@ -81,13 +81,19 @@ def run_one(cluster, strategy, rate, args, out: Path) -> dict[str, Any]:
     cluster.run("accordion", command, timeout=args.timeout, log_dir=directory / "logs")
     summary = summarise(_records(directory / "metrics.jsonl"), args.target)
     summary["wall_s"] = time.monotonic() - started
-    calibration = directory / "calibration.json"
-    if calibration.exists():
-        report = json.loads(calibration.read_text())
-        summary["auto_dense"] = len(report["dense_keys"])
-        summary["auto_tensors"] = len(report["tensors"])
-        summary["auto_bandwidth"] = report["bandwidth"]
+    summary.update(calibration_summary(directory))
     return summary
+
+
+def calibration_summary(directory: Path) -> dict[str, Any]:
+    """What an ``:auto`` run's ``calibration.json`` chose: how many tensors it sent dense
+    of how many, and the link rate it measured (bytes/s); empty without that file."""
+    calibration = directory / "calibration.json"
+    if not calibration.exists():
+        return {}
+    report = json.loads(calibration.read_text())
+    return {"auto_dense": len(report["dense_keys"]), "auto_tensors": len(report["tensors"]),
+            "auto_bandwidth": report["bandwidth"]}  # fmt: skip
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:

@@ -275,12 +275,7 @@ def run_one(cluster, strategy: str, rate: str, args, out: Path) -> dict[str, Any
     except (ClusterRunError, TimeoutError, OSError, ValueError, KeyError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.monotonic() - started}
     summary["wall_s"] = time.monotonic() - started
-    calibration = directory / "calibration.json"
-    if calibration.exists():
-        report = json.loads(calibration.read_text())
-        summary["auto_dense"] = len(report["dense_keys"])
-        summary["auto_tensors"] = len(report["tensors"])
-        summary["auto_bandwidth"] = report["bandwidth"]
+    summary.update(_e2e.calibration_summary(directory))
     return summary
 
 

@@ -336,16 +336,26 @@ class PowerSGD(Compressor):
         """Also raise ``ValueError`` unless each warm-start Q is ``m x r'`` for its tensor
         (``r'`` the effective rank at the level Q was made at)."""
         super().check_shapes(shapes)
-        for key, q in self._q.items():
-            shape = shapes.get(key)
-            if shape is None or not self.applies_to(shape):
-                raise ValueError(f"compressor q[{key!r}] is for no tensor PowerSGD compresses")
-            expected = (matrix_shape(shape)[1], powersgd_rank(shape, self._q_level[key]))
-            if tuple(q.shape) != expected:
-                raise ValueError(
-                    f"compressor q[{key!r}] has shape {tuple(q.shape)}, but a tensor of shape "
-                    f"{tuple(shapes[key])} at rank {self._q_level[key]} needs {expected}"
-                )
+        check_factor_shapes(self, "q", self._q, shapes, side=1)
+
+
+def check_factor_shapes(compressor: PowerSGD, name: str, factors, shapes, side: int) -> None:
+    """Raise ``ValueError`` unless each of ``factors`` (key -> factor, kept at the rank of
+    ``compressor._q_level``) is ``size x r'`` for its tensor of ``shapes``, ``size`` the
+    matrix view's rows (``side=0``) or columns (``side=1``)."""
+    for key, factor in factors.items():
+        shape = shapes.get(key)
+        if shape is None or not compressor.applies_to(shape):
+            raise ValueError(
+                f"compressor {name}[{key!r}] is for no tensor {compressor.title} compresses"
+            )
+        level = compressor._q_level[key]
+        expected = (matrix_shape(shape)[side], powersgd_rank(shape, level))
+        if tuple(factor.shape) != expected:
+            raise ValueError(
+                f"compressor {name}[{key!r}] has shape {tuple(factor.shape)}, but a tensor of "
+                f"shape {tuple(shape)} at rank {level} needs {expected}"
+            )
 
 
 def _loaded_factors(q: Any, q_level: Any) -> tuple[dict[Hashable, torch.Tensor], dict]:

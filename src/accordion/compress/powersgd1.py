@@ -30,6 +30,7 @@ from .powersgd import (
     PowerSGD,
     _batched,
     _loaded_factors,
+    check_factor_shapes,
     matrix_shape,
     orthogonalize_,
     powersgd_rank,
@@ -190,13 +191,4 @@ class OneRoundPowerSGD(PowerSGD):
     def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
         """Also raise ``ValueError`` unless each basis P is ``n x r'`` for its tensor."""
         super().check_shapes(shapes)
-        for key, p in self._p.items():
-            shape = shapes.get(key)
-            if shape is None or not self.applies_to(shape):
-                raise ValueError(f"compressor p[{key!r}] is for no tensor {self.name} compresses")
-            expected = (matrix_shape(shape)[0], powersgd_rank(shape, self._q_level[key]))
-            if tuple(p.shape) != expected:
-                raise ValueError(
-                    f"compressor p[{key!r}] has shape {tuple(p.shape)}, but a tensor of shape "
-                    f"{tuple(shape)} at rank {self._q_level[key]} needs {expected}"
-                )
+        check_factor_shapes(self, "p", self._p, shapes, side=0)
