@@ -15,6 +15,7 @@ from accordion.costmodel import (
     allreduce_time,
     choose_dense,
     fit_link,
+    overlapped_step,
     parse_bandwidth,
     parse_latency,
 )
@@ -380,23 +381,46 @@ def test_choose_dense_rejects_a_bucket_count_below_one():
         choose_dense([], 2, 0.0, buckets=0)
 
 
-def test_with_computation_to_hide_behind_a_fast_enough_link_gets_nothing_compressed():
-    # 11 ms of computation, 6 ms of dense transfer: the link is not the bottleneck
+def big(key, dense_s, compressed_s, compute_s):
+    """A 4 MiB fp32 gradient: more than DDP's first bucket holds, so a bucket of its own."""
+    return TensorCost(key, (1024, 1024), dense_s, compressed_s, compute_s)
+
+
+def test_a_big_early_gradient_hides_its_transfer_behind_the_rest_of_the_backward_pass():
+    # 30 ms of computation: 10 forward, 20 backward; "early" (last in parameter order) is
+    # ready halfway through the backward pass and its 5 ms go out while it goes on
+    costs = [cost("late", 0.1e-3, 0.02e-3, 0.5e-3), big("early", 5e-3, 0.5e-3, 1e-3)]
+    assert overlapped_step(costs, set(), 30e-3) == pytest.approx(30.1e-3)
+    # compressing it only adds computation: nothing is compressed
+    assert choose_dense(costs, 4, 0.0, compute_s=30e-3) == ["late", "early"]
+    # without the overlap, its 3.5 ms saving would be taken
+    assert choose_dense(costs, 4, 0.0) == ["late"]
+
+
+def test_the_last_bucket_hides_nothing_so_a_one_bucket_model_compresses_what_pays():
+    # both gradients share DDP's first bucket: it is sent when the backward pass ends
     costs = [cost("a", 5e-3, 1e-3, 0.2e-3), cost("b", 1e-3, 0.2e-3, 0.2e-3)]
-    assert choose_dense(costs, 4, 0.0, compute_s=11e-3) == ["a", "b"]
-    # without the overlap, both would be compressed
-    assert choose_dense(costs, 4, 0.0) == []
+    assert overlapped_step(costs, set(), 11e-3) == pytest.approx(17e-3)
+    assert overlapped_step(costs, {"a", "b"}, 11e-3) == pytest.approx(12.6e-3)
+    assert choose_dense(costs, 4, 0.0, compute_s=11e-3) == []
+
+
+def test_a_bucket_goes_on_the_link_once_its_last_gradient_is_ready_and_the_link_is_free():
+    costs = [big("first", 2e-3, 1e-3, 0.0), big("second", 8e-3, 1e-3, 0.0)]
+    # forward 4 ms, backward 8: "second" is ready at 8 ms and holds the link until 16;
+    # "first" is ready at 12 but waits for the link, then takes 2 ms
+    assert overlapped_step(costs, set(), 12e-3) == pytest.approx(18e-3)
+    # the extra collectives of compression and the dense-anyway tensors come last
+    assert overlapped_step(costs, {"second"}, 12e-3, 1e-3, 0.5e-3) == pytest.approx(15.5e-3)
 
 
 def test_with_computation_a_link_bound_step_compresses_until_the_link_stops_binding():
     # 58 ms of dense transfer against 11 ms of computation: compress the best saver first
     costs = [cost("big", 50e-3, 5e-3, 0.5e-3), cost("small", 8e-3, 1e-3, 0.5e-3)]
-    # big alone: max(11.5, 5 + 8) = 13 ms; both: max(12, 6) = 12 ms; none: 58 ms
+    # one bucket, sent at the end: none 69 ms; big alone 11.5 + 13; both 12 + 6 = 18 ms
     assert choose_dense(costs, 4, 0.0, compute_s=11e-3) == []
     # dense tensors of 20 ms keep the link the bottleneck whatever is compressed
     assert choose_dense(costs, 4, 0.0, compute_s=11e-3, other_s=20e-3) == []
-    # a compute-heavy step hides the small one's saving: only the big one is worth it
-    assert choose_dense(costs, 4, 0.0, compute_s=14e-3) == ["small"]
 
 
 @pytest.mark.parametrize(

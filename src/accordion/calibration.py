@@ -208,9 +208,10 @@ def calibrate(
 
     ``compute_s`` (seconds per step of forward and backward, e.g. from
     :func:`measure_step_compute`) lets the model count the transfer that hides behind
-    computation: a step then takes the longer of the two, and compression is chosen
-    only while the link is the bottleneck. Without it the transfer is assumed not to
-    overlap at all, which favours compression.
+    the backward pass, bucket by bucket as DDP overlaps it
+    (:func:`accordion.costmodel.overlapped_step`): compression is chosen only where the
+    link would still bind. Without it the transfer is assumed not to overlap at all,
+    which favours compression.
 
     Returns a JSON-serialisable report (also in ``stats()["calibration"]``):
     ``bandwidth`` (bytes/s), ``latency`` (s), ``link_samples`` ([bytes, s] pairs, empty
@@ -236,7 +237,10 @@ def calibrate(
         for k, shape in params.shapes.items()
         if not applies(shape)
     )
-    dense = choose_dense(costs, max(world, 2), latency, buckets, compute_s, other) if costs else []
+    size = next(iter(params.element_size.values()), 4)  # DDP's buckets count bytes
+    dense = []
+    if costs:
+        dense = choose_dense(costs, max(world, 2), latency, buckets, compute_s, other, size)
     controller.set_dense(dense)
     controller.calibration = _report(bandwidth, latency, samples, buckets, compute_s, dense, costs)
     return controller.calibration

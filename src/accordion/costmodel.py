@@ -184,6 +184,7 @@ def choose_dense(
     buckets: int = 1,
     compute_s: float | None = None,
     other_s: float = 0.0,
+    element_size: int = 4,
 ) -> list[str]:
     """Keys to send dense: those whose compression costs more than it saves.
 
@@ -194,13 +195,14 @@ def choose_dense(
     is compressed when its own saving (``TensorCost.saving_s``) is positive, and nothing
     is when the savings together do not cover the extra collectives.
 
-    With ``compute_s``, the seconds per step of computation that the transfer can hide
-    behind (forward and backward), a step takes
-    ``max(compute_s + compression computation, transfer + extra latency)``: compressing
-    only helps while the link is the bottleneck. ``other_s`` is the transfer time of the
-    tensors sent dense anyway (biases, norms). The tensors are taken in order of transfer
-    saved per second of computation, and the prefix with the shortest step is kept
-    (none on a tie).
+    With ``compute_s``, the seconds per step of forward and backward, the transfer hides
+    behind the backward pass only, and only once each gradient is ready (DDP's overlap):
+    see :func:`overlapped_step`. ``costs`` must be in the module's parameter order (the
+    backward pass produces their gradients in reverse). ``other_s`` is the transfer time
+    of the tensors sent dense anyway (biases, norms), counted at the end; ``element_size``
+    (bytes per gradient element) places the tensors in DDP's buckets. The tensors are
+    taken in order of transfer saved per second of computation, and the prefix with the
+    shortest predicted step is kept (none on a tie).
     """
     check_world_size(world_size)
     check_int("buckets", buckets, 1)
@@ -217,13 +219,51 @@ def choose_dense(
         key=lambda c: (c.dense_s - c.compressed_s) / max(c.compute_s, 1e-12),
         reverse=True,
     )
-    work, transfer = compute_s, other_s + sum(c.dense_s for c in costs)
-    best, best_time = 0, max(work, transfer)
-    for i, c in enumerate(order, start=1):
-        work += c.compute_s
-        transfer += c.compressed_s - c.dense_s
-        step = max(work, transfer + extra_latency)
-        if step < best_time:
-            best, best_time = i, step
+    steps = [
+        overlapped_step(
+            costs, {c.key for c in order[:i]}, compute_s, other_s, extra_latency, element_size
+        )
+        for i in range(len(order) + 1)
+    ]
+    best = min(range(len(steps)), key=lambda i: (steps[i], i))  # none on a tie
     compressed = {c.key for c in order[:best]}
     return [c.key for c in costs if c.key not in compressed]
+
+
+#: The backward pass's share of a step's computation (about twice the forward's work).
+BACKWARD_SHARE = 2 / 3
+#: DDP's bucket caps (bytes): its first bucket, then every other (``bucket_cap_mb``).
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+
+
+def overlapped_step(
+    costs: Sequence[TensorCost],
+    compressed: set[str],
+    compute_s: float,
+    other_s: float = 0.0,
+    extra_latency: float = 0.0,
+    element_size: int = 4,
+) -> float:
+    """Predicted seconds of a step that compresses the keys ``compressed`` of ``costs``
+    (in parameter order), with DDP's overlap of communication and backward.
+
+    The forward pass (``1 - BACKWARD_SHARE`` of ``compute_s``) hides nothing. The
+    backward pass, lengthened by the compression's computation, produces the gradients
+    in reverse parameter order at even intervals, into DDP's buckets (1 MiB, then 25 MiB
+    of ``element_size``-byte gradients). A bucket goes on the link once its last
+    gradient is ready and the link is free. The step ends when both the computation and
+    the link are done; ``other_s`` and, if anything is compressed, ``extra_latency``
+    (the extra sequential collectives) come last on the link.
+    """
+    work = compute_s * BACKWARD_SHARE + sum(c.compute_s for c in costs if c.key in compressed)
+    start = compute_s - compute_s * BACKWARD_SHARE
+    link, filled, cap, pending = start, 0, FIRST_BUCKET_BYTES, 0.0
+    backward = list(reversed(costs))
+    for j, c in enumerate(backward, start=1):
+        pending += c.compressed_s if c.key in compressed else c.dense_s
+        filled += math.prod(c.shape) * element_size
+        if filled >= cap or j == len(backward):  # the bucket is full: it is sent now
+            link = max(link, start + work * j / len(backward)) + pending
+            filled, cap, pending = 0, BUCKET_BYTES, 0.0
+    link += other_s + (extra_latency if compressed else 0.0)
+    return max(start + work, link)
