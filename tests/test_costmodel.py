@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from accordion.compress import OneRoundPowerSGD, PowerSGD
 from accordion.costmodel import (
     TensorCost,
     allgather_time,
@@ -374,6 +375,14 @@ def test_everything_is_dense_when_the_savings_do_not_cover_the_extra_collective(
     # one more sequential all-reduce per bucket on 4 workers: 6 latencies of 0.1 ms
     assert choose_dense(costs, world_size=4, latency=0.1e-3, buckets=1) == ["a"]
     assert choose_dense(costs, world_size=4, latency=0.05e-3, buckets=1) == []
+
+
+def test_a_compressor_that_adds_no_collective_pays_no_extra_latency():
+    costs = [cost("a", 1.0e-3, 0.1e-3, 0.4e-3)]  # saves 0.5 ms, less than 6 latencies
+    assert choose_dense(costs, world_size=4, latency=0.1e-3, buckets=1, rounds=1) == ["a"]
+    # one-round PowerSGD's factors travel in the dense all-reduce: it still pays
+    assert OneRoundPowerSGD.extra_collectives == 0 and PowerSGD.extra_collectives == 1
+    assert choose_dense(costs, world_size=4, latency=0.1e-3, buckets=1, rounds=0) == []
 
 
 def test_choose_dense_rejects_a_bucket_count_below_one():

@@ -240,7 +240,8 @@ def calibrate(
     size = next(iter(params.element_size.values()), 4)  # DDP's buckets count bytes
     dense = []
     if costs:
-        dense = choose_dense(costs, max(world, 2), latency, buckets, compute_s, other, size)
+        rounds = controller.compressor.extra_collectives
+        dense = choose_dense(costs, max(world, 2), latency, buckets, compute_s, other, size, rounds)
     controller.set_dense(dense)
     controller.calibration = _report(bandwidth, latency, samples, buckets, compute_s, dense, costs)
     return controller.calibration

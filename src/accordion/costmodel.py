@@ -185,11 +185,13 @@ def choose_dense(
     compute_s: float | None = None,
     other_s: float = 0.0,
     element_size: int = 4,
+    rounds: int = 1,
 ) -> list[str]:
     """Keys to send dense: those whose compression costs more than it saves.
 
-    Compression adds one sequential collective per bucket (PowerSGD's Q, top-k's second
-    all-gather), ``2 (W - 1) latency`` each, counted once any tensor is compressed.
+    Compression adds ``rounds`` collectives per bucket (the compressor's
+    ``extra_collectives``: PowerSGD's Q, top-k's second all-gather; none for one-round
+    PowerSGD), ``2 (W - 1) latency`` each, counted once any tensor is compressed.
 
     Without ``compute_s`` the transfer is assumed not to overlap computation: each tensor
     is compressed when its own saving (``TensorCost.saving_s``) is positive, and nothing
@@ -206,7 +208,8 @@ def choose_dense(
     """
     check_world_size(world_size)
     check_int("buckets", buckets, 1)
-    extra_latency = buckets * 2 * (world_size - 1) * latency
+    check_int("rounds", rounds, 0)
+    extra_latency = buckets * rounds * 2 * (world_size - 1) * latency
     if compute_s is None:
         paying = [c for c in costs if c.saving_s > 0]
         if sum(c.saving_s for c in paying) <= extra_latency:

@@ -70,6 +70,9 @@ class Compressor(ABC):
     #: that older checkpoints may lack.
     STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"kind", "default_level", "levels"})
     OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset()
+    #: Collectives per bucket that compressing adds to the dense all-reduce, each paying
+    #: the link's latency (PowerSGD's Q round); the cost model charges them.
+    extra_collectives: ClassVar[int] = 1
 
     def __init__(self, level: Any = None):
         self.default_level = self.check_level(level)
