@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from accordion.accounting import paper_floats
+from accordion.costmodel import TensorCost, choose_dense, overlapped_step
 from accordion.ddp import AccordionState
 from accordion.policy import PaperRule
 
@@ -286,12 +287,19 @@ def test_dense_keys_survive_a_checkpoint():
     assert fresh.dense_keys == ["2.weight"]
 
 
-def test_calibrate_with_computation_to_hide_behind_sends_dense_what_would_overlap():
-    # 1 kB/s: without overlap every matrix pays; an hour of computation per step hides it
-    state = AccordionState(make_net(), "powersgd", mild=2, aggressive=1)
-    assert state.calibrate(bandwidth=1e3, latency=0.0)["dense_keys"] == []
+def test_calibrate_with_computation_decides_with_the_overlap_model():
+    # no biases: nothing is dense anyway, so the model sees every tensor
+    net = nn.Sequential(nn.Linear(20, 32, bias=False), nn.ReLU(),
+                        nn.Linear(32, 1024, bias=False), nn.ReLU(),
+                        nn.Linear(1024, 300, bias=False))  # fmt: skip
+    state = AccordionState(net, "powersgd", mild=2, aggressive=1)
     report = state.calibrate(bandwidth=1e3, latency=0.0, compute_s=3600.0)
-    assert report["dense_keys"] == ["0.weight", "2.weight"]
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    costs = [TensorCost(k, shapes[k], t["dense_s"], t["compressed_s"], t["compute_s"])
+             for k, t in report["tensors"].items()]  # fmt: skip
+    # the 1.2 MB last layer fills DDP's first bucket and hides behind the backward pass
+    assert overlapped_step(costs, set(), 3600.0) < overlapped_step(costs, set(), 0.0) + 3600.0
+    assert report["dense_keys"] == choose_dense(costs, 2, 0.0, report["buckets"], 3600.0)
     assert report["step_compute_s"] == 3600.0
 
 

@@ -31,6 +31,7 @@ from .powersgd import (
     _batched,
     _loaded_factors,
     check_factor_shapes,
+    check_rank,
     matrix_shape,
     orthogonalize_,
     powersgd_rank,
@@ -77,7 +78,8 @@ class OneRoundPowerSGD(PowerSGD):
         """``M Q̂`` (``n r'``) and ``P̂^T M`` (``m r'``) in the bucket's one all-reduce,
         together with its dense tensors (a phase's all-reduces go out as one call)."""
         n, m = matrix_shape(shape)
-        return [Message("allreduce", "dense", (n + m) * powersgd_rank(shape, level) * element_size)]
+        r = powersgd_rank(shape, check_rank(level))
+        return [Message("allreduce", "dense", (n + m) * r * element_size)]
 
     def exchange(
         self,
