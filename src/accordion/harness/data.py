@@ -160,6 +160,14 @@ class LanguageData:
 # --------------------------------------------------------------------------- argument checks
 
 
+def _check_task_name(name: object, allowed: Sequence[str] = TASKS) -> None:
+    """``TypeError`` unless ``name`` is a str, ``ValueError`` unless it is in ``allowed``."""
+    if not isinstance(name, str):
+        raise TypeError(f"task must be a str, got {type(name).__name__}: {name!r}")
+    if name not in allowed:
+        raise ValueError(f"task must be one of {', '.join(allowed)}, got {name!r}")
+
+
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` as an int; ValueError naming ``name`` unless it is an int ``>= minimum``."""
     # bool is a subclass of int, but a count of True is surely a mistake.
@@ -241,10 +249,7 @@ def check_task(
             ``synthetic``; a model that does not read the task's inputs; a sample count not
             positive or beyond the dataset; a bad synthetic shape.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"task must be a str, got {type(name).__name__}: {name!r}")
-    if name not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
+    _check_task_name(name)
     train_samples = _check_optional_count("train_samples", train_samples)
     test_samples = _check_optional_count("test_samples", test_samples)
     if name == "synthetic" and data_dir is not None:
@@ -324,12 +329,12 @@ def find_task_files(name: str, data_dir: str | os.PathLike | None) -> list[Path]
     """The files a task of :data:`FILE_TASKS` reads from ``data_dir``, without reading them.
 
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: ``name`` is not one of :data:`FILE_TASKS`, or ``data_dir`` is None.
         FileNotFoundError: the files are not there; the message lists every path looked for
             and where to get them.
     """
-    if name not in FILE_TASKS:
-        raise ValueError(f"task must be one of {', '.join(FILE_TASKS)}, got {name!r}")
+    _check_task_name(name, FILE_TASKS)
     if data_dir is None:
         raise ValueError(
             f"data_dir is required by task {name!r}, which reads its files from disk "
@@ -391,10 +396,7 @@ def load_task(
             ``data_dir``; the message lists every path looked for.
         ImportError: ``mnist1d`` is requested but the ``mnist1d`` package is not installed.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"task name must be a str, got {type(name).__name__}: {name!r}")
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; allowed tasks: {', '.join(TASKS)}")
+    _check_task_name(name)
     train_samples = _check_optional_count("train_samples", train_samples)
     test_samples = _check_optional_count("test_samples", test_samples)
     seed = _check_int("seed", seed, minimum=0)
