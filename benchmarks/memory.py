@@ -7,7 +7,7 @@ processes) and the bytes of the tensors the hook's state keeps between steps:
 
 * ours: error-feedback memory (``reducer.memory``), the compressor's factors (PowerSGD's
   warm-start Q and its shared-seed cache), the reducer's flat input buffers (kept between
-  steps, two per set of keys) and the statistic's accumulators (``state.sums``). The
+  steps, one per set of keys) and the statistic's accumulators (``state.sums``). The
   memory lives in the buffers, so the categories overlap; ``unique`` counts every
   storage once, which is what the state really holds.
 * PyTorch: ``error_dict``, ``p_memory_dict`` and ``q_memory_dict``.
@@ -128,7 +128,7 @@ def state_tensors(state) -> dict[str, list[torch.Tensor]]:
     return {
         "memory": _tensors_in(reducer.memory._memory),
         "factors": factors,
-        # a set's entry: [buffer, buffer, index of the next] (any layout: tensors found)
+        # a set's entry: its flat buffer (any layout: the tensors in it are found)
         "buffers": _tensors_in(list(reducer._buffers.values())),
         "accumulators": _tensors_in([state.sums._sums, state.sums._skipped]),
     }
@@ -142,13 +142,13 @@ def breakdown(state) -> dict[str, int]:
     out["unique"] = unique_bytes([t for ts in parts.values() for t in ts])
     if "buffers" in parts:
         live = {m.untyped_storage().data_ptr() for m in parts["memory"]}
-        pairs = [_tensors_in(entry) for entry in state.reducer._buffers.values()]
-        out["buffer_sets"] = len(pairs)
+        sets = [_tensors_in(entry) for entry in state.reducer._buffers.values()]
+        out["buffer_sets"] = len(sets)
         # a set no memory lives in (e.g. one of DDP's buckets before it rebuilt them) is
         # kept only until _MAX_BUFFER_SETS newer sets push it out
         out["stale_buffers"] = sum(
-            nominal_bytes(pair) for pair in pairs
-            if not any(t.untyped_storage().data_ptr() in live for t in pair)
+            nominal_bytes(tensors) for tensors in sets
+            if not any(t.untyped_storage().data_ptr() in live for t in tensors)
         )  # fmt: skip
     return out
 

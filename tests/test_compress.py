@@ -335,18 +335,18 @@ def test_low_precision_inputs_keep_their_dtype_and_match_fp32(dtype, name, level
 
 
 @pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
-def test_non_finite_gradient_warns_and_leaves_memory_untouched(name, level):
+def test_non_finite_gradient_warns_and_resets_the_memory_to_zero(name, level):
     reducers = [Reducer(make_compressor(name, level)) for _ in range(2)]
     run_workers(reducers, ["w"], [[torch.randn(6, 6)], [torch.randn(6, 6)]])
-    memories = [r.memory.get("w").clone() for r in reducers]
+    assert all(r.memory.get("w").abs().max() > 0 for r in reducers)
     bad = torch.randn(6, 6)
     bad[2, 3] = math.inf
     grads = [[bad], [torch.randn(6, 6)]]
-    with pytest.warns(RuntimeWarning, match="non-finite"):
+    with pytest.warns(RuntimeWarning, match="non-finite.*reset to zero"):
         run_workers(reducers, ["w"], grads)
-    for r, g, mem in zip(reducers, grads, memories):
+    for r, g in zip(reducers, grads):
         assert not torch.isfinite(g[0]).all()  # passed on, so a GradScaler skips the step
-        assert torch.equal(r.memory.get("w"), mem)
+        assert r.memory.get("w") is None  # the step overwrote it: nothing non-finite kept
         assert r.non_finite_steps == 1
     # and the next finite step is finite again
     grads = [[torch.randn(6, 6)], [torch.randn(6, 6)]]
@@ -357,19 +357,37 @@ def test_non_finite_gradient_warns_and_leaves_memory_untouched(name, level):
 
 
 @pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
-def test_two_non_finite_steps_in_a_row_still_leave_the_memory_untouched(name, level):
-    # the reducer reuses its input buffers every other step: the kept memory must not
-    # be overwritten by the step after next
+def test_after_a_non_finite_step_error_feedback_restarts_as_from_zero(name, level):
+    # the step after an overflow must be exactly the first step of a fresh reducer
     reducers = [Reducer(make_compressor(name, level)) for _ in range(2)]
+    fresh = [Reducer(make_compressor(name, level)) for _ in range(2)]
     run_workers(reducers, ["w"], [[torch.randn(6, 6)], [torch.randn(6, 6)]])
-    memories = [r.memory.get("w").clone() for r in reducers]
+    bad = torch.randn(6, 6)
+    bad[0, 0] = math.nan
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        run_workers(reducers, ["w"], [[bad], [torch.randn(6, 6)]])
+    grads = [torch.randn(6, 6), torch.randn(6, 6)]
+    after = [[g.clone()] for g in grads]
+    reference = [[g.clone()] for g in grads]
+    run_workers(reducers, ["w"], after)
+    run_workers(fresh, ["w"], reference)
+    for got, want in zip(after, reference):
+        assert torch.equal(got[0], want[0])
+    for r, f in zip(reducers, fresh):
+        assert torch.equal(r.memory.get("w"), f.memory.get("w"))
+
+
+def test_the_memory_is_compensated_in_place_in_one_buffer_per_set_of_keys():
+    # error feedback costs one model-size buffer: the next input is written over the memory
+    reducer = Reducer(PowerSGD(2))
+    shapes = {"a": (8, 6), "b": (8, 6), "c": (5, 7)}
     for _ in range(3):
-        bad = torch.randn(6, 6)
-        bad[0, 0] = math.nan
-        with pytest.warns(RuntimeWarning, match="non-finite"):
-            run_workers(reducers, ["w"], [[bad], [torch.randn(6, 6)]])
-    for r, mem in zip(reducers, memories):
-        assert torch.equal(r.memory.get("w"), mem)
+        grads = [torch.randn(s) for s in shapes.values()]
+        SimulatedTransport(1).run([reducer.exchange(list(shapes), grads, 1)])
+        (buffer,) = reducer._buffers.values()
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * 4
+        for key in shapes:
+            assert start <= reducer.memory.get(key).data_ptr() < end, key
 
 
 def test_the_reducer_matches_hand_written_error_feedback_over_several_steps():

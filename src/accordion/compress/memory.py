@@ -18,8 +18,10 @@ from .._validate import check_tensor_shapes
 class ErrorFeedback:
     """Residual memory: ``M = grad + memory`` before compression, ``memory = M - sent`` after.
 
-    ``compensate`` always returns a fresh tensor that the compressor may overwrite.
-    ``update`` takes ownership of the residual it is given (no copy).
+    ``compensate`` returns a tensor that the compressor may overwrite: a fresh one, or
+    ``out`` when given, which may be the memory itself (the :class:`Reducer` compensates
+    in place, so the memory and the next input share one buffer). ``update`` takes
+    ownership of the residual it is given (no copy).
     """
 
     def __init__(self) -> None:
@@ -29,7 +31,8 @@ class ErrorFeedback:
         self, key: Hashable, grad: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Return ``grad + memory[key]`` as a new tensor (a copy of ``grad`` if none yet),
-        or written into ``out`` (same shape) when given."""
+        or written into ``out`` (same shape) when given. ``out`` may be the memory itself
+        (in place); partly overlapping it is an error (PyTorch refuses it)."""
         memory = self._memory.get(key)
         if memory is not None and memory.shape != grad.shape:
             raise ValueError(

@@ -32,7 +32,8 @@ class Reducer:
     on every worker, since it is a collective's result; the averages are computed from it,
     so they hold one too), the result is still written back, so
     that an AMP ``GradScaler`` sees it and skips the optimizer step as it would without
-    compression; but the error-feedback memory is left as it was before the step, the
+    compression; but the error-feedback memory of the compressed tensors is reset to zero
+    (it shares its storage with the step's input, which the step overwrote), the
     warm-start factors are redrawn from the shared seed, a ``RuntimeWarning`` is issued
     and ``non_finite_steps`` counts it. One bad step therefore never poisons later ones.
 
@@ -58,7 +59,7 @@ class Reducer:
         self.non_finite_steps = 0
         #: Keys sent dense whatever their shape (compression would not pay for them).
         self.dense_keys: set[Hashable] = set()
-        self._buffers: dict[tuple[Any, ...], list[Any]] = {}
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
@@ -215,16 +216,14 @@ class Reducer:
 
     def _skip_non_finite(self, residuals: Iterable[Hashable]) -> None:
         residuals = list(residuals)
-        # the memory lives in the buffer the next step but one reuses: detach it
+        # the memory was compensated in place and then overwritten by this step: drop it
         for key in residuals:
-            memory = self.memory.get(key)
-            if memory is not None:
-                self.memory.update(key, memory.clone())
+            self.memory.update(key, None)
         self.non_finite_steps += 1
         self.compressor.reset(residuals)
         warnings.warn(
-            "non-finite averaged gradient: error-feedback memory left unchanged and "
-            "warm-start factors redrawn for this step",
+            "non-finite averaged gradient: error-feedback memory of the compressed tensors "
+            "reset to zero and warm-start factors redrawn for this step",
             RuntimeWarning,
             stacklevel=3,  # as before this was a helper: the frame resuming the exchange
         )
@@ -232,25 +231,24 @@ class Reducer:
     def _buffer(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """A flat buffer for the compensated inputs of ``keys``, reused between steps.
 
-        Two per set of keys, used in turn: the residuals that the memory keeps of one step
-        live in one buffer while the next step fills the other. Allocating model-size
-        buffers every step costs page faults and zeroing each time.
+        One per set of keys: the memory that one step keeps (its residuals, views of the
+        buffer) is compensated in place by the next, ``g + e`` written over ``e``, so
+        error feedback costs one model-size buffer. Allocating it every step would cost
+        page faults and zeroing each time.
         """
         like = grads[0]
         numel = sum(g.numel() for g in grads)
         signature = (tuple(keys), like.dtype, like.device)
-        pair = self._buffers.pop(signature, None)  # re-inserted last: the most recent
-        if pair is None or pair[0].numel() != numel:
+        buffer = self._buffers.pop(signature, None)  # re-inserted last: the most recent
+        if buffer is None or buffer.numel() != numel:
             # A key is in one set at a time: an older set sharing a key with this one is
             # obsolete (DDP rebuilt its buckets after its first step, a tensor went dense)
             # and would otherwise stay until _MAX_BUFFER_SETS newer sets pushed it out.
             fresh = set(keys)
             for old in [s for s in self._buffers if not fresh.isdisjoint(s[0])]:
                 del self._buffers[old]
-            pair = [like.new_empty(numel), like.new_empty(numel), 0]
-        buffer = pair[pair[2]]
-        pair[2] = 1 - pair[2]
-        self._buffers[signature] = pair
+            buffer = like.new_empty(numel)
+        self._buffers[signature] = buffer
         while len(self._buffers) > _MAX_BUFFER_SETS:  # e.g. parts that changed: drop old
             self._buffers.pop(next(iter(self._buffers)))
         return buffer
