@@ -167,6 +167,17 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux: ``clear_refs`` 5);
+    whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def compressed_numel(state, net: nn.Module) -> int:
     """Elements of the parameters our hook compresses (0 for the others)."""
     if not isinstance(state, AccordionState):
@@ -185,8 +196,12 @@ def worker(rank: int, world: int, store: str, config: str, args, out_dir: str) -
     state = attach(config, net, ddp)
     x, y = make_batch(args.model, args.batch)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    before, by_step = peak_rss(), []
-    for _ in range(args.steps):
+    before, by_step, steady = peak_rss(), [], False
+    for step in range(args.steps):
+        if step == args.steady_after:
+            # DDP rebuilds its buckets after its first step, so state may move once: the
+            # peak from here on is what a long run keeps paying
+            steady = reset_peak_rss()
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
@@ -200,6 +215,7 @@ def worker(rank: int, world: int, store: str, config: str, args, out_dir: str) -
         "peak_rss": peak_rss(),
         "peak_rss_before_training": before,
         "peak_rss_by_step": by_step,
+        "steady_peak_rss": peak_rss() if steady else None,
         "state": breakdown(state),
         "compressed_numel": compressed_numel(state, net),
     }
@@ -256,11 +272,17 @@ def run_with_retries(config: str, args, failed: dict[str, int], tries: int = 3) 
     return run_config(config, args)
 
 
-def summarize(config: str, reps: list[list[dict]], dense_mib: float | None) -> dict:
+def summarize(config: str, reps: list[list[dict]], dense: tuple[float | None, float | None]
+              ) -> dict:  # fmt: skip
     """One row: the worse worker's peak RSS per repetition, median and spread, the extra
-    over dense, and the accounted state of each rank (the same on every repetition)."""
+    over dense (``dense``: its whole-run and steady medians), the steady peak (after
+    ``--steady-after`` steps) and its extra, and the accounted state of each rank (the
+    same on every repetition)."""
+    dense_mib, dense_steady = dense
     peaks = [max(r["peak_rss"] for r in rep) / MiB for rep in reps]
     median = statistics.median(peaks)
+    steady = [[r.get("steady_peak_rss") for r in rep] for rep in reps]
+    steady_peaks = [max(s) / MiB for s in steady if None not in s]
     return {
         "config": config,
         "label": CONFIGS[config],
@@ -271,6 +293,10 @@ def summarize(config: str, reps: list[list[dict]], dense_mib: float | None) -> d
         "peak_rss_mib_min": min(peaks),
         "peak_rss_mib_max": max(peaks),
         "extra_mib": None if dense_mib is None else median - dense_mib,
+        "steady_peak_rss_mib": steady_peaks,
+        "steady_peak_rss_mib_median": statistics.median(steady_peaks) if steady_peaks else None,
+        "steady_extra_mib": (statistics.median(steady_peaks) - dense_steady
+                             if steady_peaks and dense_steady is not None else None),
         "state": reps[0][0]["state"],
         "state_by_rank": [r["state"] for r in reps[0]],
         "compressed_numel": reps[0][0]["compressed_numel"],
@@ -299,15 +325,19 @@ def print_table(rows: dict[str, dict], args) -> None:
     """The table: RSS figures in MiB, then the accounted state in MiB."""
     print(
         f"{args.model}, 2 gloo workers, batch {args.batch}/worker, peak RSS (VmHWM) of the "
-        f"worse worker after {args.steps} steps, median of {args.reps} fresh runs (min-max)"
+        f"worse worker after {args.steps} steps, median of {args.reps} fresh runs (min-max); "
+        f"steady: extra peak over the steps after the first {args.steady_after}"
     )
-    head = f"{'configuration':<26} {'peak':>8} {'spread':>13} {'extra':>7} |"
+    head = f"{'configuration':<26} {'peak':>8} {'spread':>13} {'extra':>7} {'steady':>7} |"
     cols = ("memory", "factors", "buffers", "accumulators", "unique")
     print(head + "".join(f" {c[:7]:>8}" for c in cols) + "  (MiB; state accounted by tensor)")
     for row in rows.values():
         extra = "-" if row["extra_mib"] is None else f"{row['extra_mib']:.1f}"
         spread = f"{row['peak_rss_mib_min']:.1f}-{row['peak_rss_mib_max']:.1f}"
-        line = f"{row['label']:<26} {row['peak_rss_mib_median']:>8.1f} {spread:>13} {extra:>7} |"
+        steady = row.get("steady_extra_mib")
+        steady = "-" if steady is None else f"{steady:.1f}"
+        line = (f"{row['label']:<26} {row['peak_rss_mib_median']:>8.1f} {spread:>13} {extra:>7}"
+                f" {steady:>7} |")  # fmt: skip
         state = row["state"]
         line += "".join(f" {state[c] / MiB:>8.2f}" if c in state else f" {'-':>8}" for c in cols)
         print(line)
@@ -324,6 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=MODELS, default="resnet18")
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--steady-after", type=int, default=2, metavar="K",
+        help="also report the peak over the steps after the first K (Linux only)",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="fresh runs per configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -345,10 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.reps):  # interleaved: a slow phase of the machine hits them all
         for config in configs:
             runs[config].append(run_with_retries(config, args, failed))
-    dense = None
+    dense: tuple[float | None, float | None] = (None, None)
     if "dense" in runs:
-        dense = statistics.median(max(r["peak_rss"] for r in rep) for rep in runs["dense"])
-        dense /= MiB
+        row = summarize("dense", runs["dense"], dense)
+        dense = (row["peak_rss_mib_median"], row["steady_peak_rss_mib_median"])
     rows = {c: summarize(c, runs[c], dense) for c in configs}
     for config, count in failed.items():
         rows[config]["failed_runs"] = count

@@ -23,7 +23,8 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("memory") / "memory.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--model", "mnist1d-cnn",
-               "--steps", "2", "--reps", "1", "--timeout", "120", "--json", str(out)]  # fmt: skip
+               "--steps", "2", "--steady-after", "1", "--reps", "1", "--timeout", "120",
+               "--json", str(out)]  # fmt: skip
     # a hung worker is killed by the script's own --timeout; this one guards the script
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -60,7 +61,8 @@ def test_our_error_feedback_memory_is_exactly_the_compressed_parameters(report) 
         for state in rows[config]["state_by_rank"]:
             assert state["memory"] == expected, config
             assert state["unique"] > 0
-            assert state["buffers"] >= state["memory"]  # the memory lives in the buffers
+            # the memory lives in the buffers, one per set of tensors: nothing besides it
+            assert state["buffers"] == state["memory"], config
         assert rows[config]["compressed_numel"] * 4 == expected
 
 
@@ -72,3 +74,15 @@ def test_factors_and_accumulators_are_accounted_where_they_exist(report) -> None
     assert rows["ours-accordion421"]["state"]["accumulators"] > 0
     # PyTorch's hook sends dense for start_powerSGD_iter=2 steps: no state yet after 2
     assert set(rows["torch-psgd4"]["state"]) == {"memory", "factors", "unique"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's clear_refs")
+def test_the_steady_peak_after_the_first_steps_is_reported_and_below_the_whole_run_peak(
+    report,
+) -> None:
+    rows = _rows(report)
+    for config, row in rows.items():
+        assert len(row["steady_peak_rss_mib"]) == 1, config
+        assert 0 < row["steady_peak_rss_mib_median"] <= row["peak_rss_mib_median"], config
+        assert isinstance(row["steady_extra_mib"], float), config
+    assert rows["dense"]["steady_extra_mib"] == 0.0
