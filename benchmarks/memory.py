@@ -196,11 +196,12 @@ def worker(rank: int, world: int, store: str, config: str, args, out_dir: str) -
     state = attach(config, net, ddp)
     x, y = make_batch(args.model, args.batch)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    before, by_step, steady = peak_rss(), [], False
+    before, by_step, steady, early = peak_rss(), [], False, 0
     for step in range(args.steps):
         if step == args.steady_after:
             # DDP rebuilds its buckets after its first step, so state may move once: the
             # peak from here on is what a long run keeps paying
+            early = peak_rss()
             steady = reset_peak_rss()
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
@@ -209,10 +210,10 @@ def worker(rank: int, world: int, store: str, config: str, args, out_dir: str) -
             # every step an epoch: the rule checks and may switch ranks, so that the
             # factors of every rank it reaches exist by the end
             state.end_epoch(optimizer)
-        by_step.append(peak_rss())  # which step set the peak
+        by_step.append(peak_rss())  # which step set the peak (after a reset: since it)
     result = {
         "rank": rank,
-        "peak_rss": peak_rss(),
+        "peak_rss": max(early, peak_rss()),
         "peak_rss_before_training": before,
         "peak_rss_by_step": by_step,
         "steady_peak_rss": peak_rss() if steady else None,

@@ -85,4 +85,7 @@ def test_the_steady_peak_after_the_first_steps_is_reported_and_below_the_whole_r
         assert len(row["steady_peak_rss_mib"]) == 1, config
         assert 0 < row["steady_peak_rss_mib_median"] <= row["peak_rss_mib_median"], config
         assert isinstance(row["steady_extra_mib"], float), config
+        # the whole run's peak includes the steps before the reset
+        first_step = max(steps[0] for steps in row["peak_rss_mib_by_step"])
+        assert row["peak_rss_mib_median"] >= first_step, config
     assert rows["dense"]["steady_extra_mib"] == 0.0
