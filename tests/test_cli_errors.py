@@ -129,7 +129,7 @@ def test_a_model_that_does_not_read_the_tasks_inputs_is_a_usage_error(no_workers
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_unknown_statistic_is_a_usage_error_listing_rank0_and_mean(no_workers, capsys, command):
     err = usage_error(capsys, command, "--statistic", "median")
-    assert "argument --statistic:" in err and "('rank0', 'mean'), got 'median'" in err
+    assert "argument --statistic:" in err and "('rank0', 'mean', 'sharded'), got 'median'" in err
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -428,8 +428,9 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
         ("--interval", int, "Accordion check interval, epochs (default: the rule's, 1 for "
          "the guarded rule, 10 for the paper's)"),
         ("--eta", float, f"Accordion threshold (default {d['eta']})"),
-        ("--statistic", None, f"{' or '.join(STATISTICS)}: the statistics of rank 0 (the "
-         f"paper) or their mean over the workers (default {d['statistic']})"),
+        ("--statistic", None, f"{', '.join(STATISTICS)}: the statistics of rank 0 (the "
+         "paper), their mean over the workers, or each layer's from one worker, the layers "
+         f"dealt out so that each keeps 1/workers of the sums (default {d['statistic']})"),
         ("--on-rank-change", None, "PowerSGD Q at a switch: reuse or redraw (default: the hook's)"),
         ("--seed", int, f"seed (default {d['seed']})"),
         ("--train-samples", int, "training samples used (task default)"),

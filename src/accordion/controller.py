@@ -41,9 +41,9 @@ from .compress import (
 from .compress.transport import private_group
 from .params import ParameterTable
 from .policy import DecayDetector, GuardedRule, Ladder, Observation, Rule, Schedule
-from .statistics import GradientSums
+from .statistics import GradientSums, shard_owners
 
-STATISTICS = ("rank0", "mean")
+STATISTICS = ("rank0", "mean", "sharded")
 
 
 class Controller:
@@ -64,7 +64,10 @@ class Controller:
         eta: the default rule's threshold on the relative change of a layer's gradient
             norm (default 0.5); only with the default rule.
         statistic: ``"rank0"`` (the paper: rank 0's statistics decide, every rank applies
-            the same decision) or ``"mean"`` (statistics averaged over ranks).
+            the same decision), ``"mean"`` (statistics averaged over ranks) or
+            ``"sharded"`` (each layer's statistic is one rank's, as in the paper, but
+            the layers are dealt out over the ranks, so that each keeps about
+            ``1 / world_size`` of the sums: see :func:`~accordion.statistics.shard_owners`).
         interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
             :meth:`end_step` after every optimizer step).
         process_group: the group to average over: ``None`` (the default group) or a
@@ -126,6 +129,8 @@ class Controller:
         self._levels_checked = False  # levels that compress nothing are warned of once
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
         self.sums = GradientSums()
+        self._owners: dict[str, int] | None = None  # "sharded": which rank sums each layer
+        self._device: torch.device | None = None  # of the last gradients observed
         self._costs: dict[tuple[str, Any, int], tuple[int, float]] = {}  # per-step cost cache
         self._transport: TorchTransport | LocalTransport | None = None
         #: The last :meth:`calibrate` report, or ``None``.
@@ -190,6 +195,7 @@ class Controller:
             self.reducer.rename(old, new)
         if renamed:
             self._costs.clear()  # keyed by the old names
+            self._owners = None  # dealt out again over the new names
         if not self._levels_checked:
             self._warn_of_useless_levels()
 
@@ -236,11 +242,14 @@ class Controller:
         and their cost at the current levels to the ledger."""
         reducer = self.reducer
         self._observed = True
+        if grads:
+            self._device = grads[0].device
         if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
             self._warn_of_useless_levels()
         if self._collecting():
+            owners, rank = self._shard_owners(world), self._rank(world)
             for key, grad in zip(keys, grads):
-                if reducer.compresses(grad, key):
+                if reducer.compresses(grad, key) and (owners is None or owners[key] == rank):
                     self.sums.add(key, grad)
         for key, grad in zip(keys, grads):
             self.ledger.add(key, *self._cost(key, grad, world))
@@ -261,6 +270,27 @@ class Controller:
         """Keys that go through the compressor (it applies to them and they are not dense)."""
         applies, dense = self.reducer.compressor.applies_to, self.reducer.dense_keys
         return [k for k, s in self.params.shapes.items() if applies(s) and k not in dense]
+
+    def _rank(self, world: int) -> int:
+        return dist.get_rank(self.process_group) if world > 1 else 0
+
+    def _shard_owners(self, world: int) -> dict[str, int] | None:
+        """Under ``"sharded"``, the rank that sums each layer the compressor applies to;
+        ``None`` otherwise, or while the layers are not all known (bound lazily, before
+        the first step ended: until then every rank sums every layer)."""
+        if self.statistic != "sharded" or world == 1:
+            return None
+        if self._owners is None:
+            if self.params.module is None and self.step == 0:
+                return None
+            applies = self.reducer.compressor.applies_to
+            shapes = {k: s for k, s in self.params.shapes.items() if applies(s)}
+            self._owners = shard_owners(shapes, world)
+            rank = self._rank(world)
+            for key in self.sums.keys_in(self.params.shapes):
+                if self._owners.get(key, rank) != rank:
+                    self.sums.forget(key)  # summed before the layers were dealt out
+        return self._owners
 
     def exchange(
         self, keys: Sequence[str], grads: Sequence[torch.Tensor], world: int
@@ -448,7 +478,8 @@ class Controller:
         kept_out = [k for k, v in grad_norms.items()
                     if not (finite(v) and finite(memory_norms.get(k, 0.0)))]  # fmt: skip
         if kept_out:
-            where = "rank 0" if self.statistic == "rank0" else "every rank"
+            where = {"rank0": "rank 0", "mean": "every rank"}.get(self.statistic,
+                                                                 "the rank that sums it")
             warnings.warn(
                 f"{period}: the gradient statistic of {len(kept_out)} layer(s), e.g. "
                 f"{kept_out[:3]}, is not finite (every gradient of theirs in the period was "
@@ -466,7 +497,7 @@ class Controller:
         transport = self.transport()
         if transport.world_size == 1:
             return rungs
-        device = self.sums.device
+        device = self._gradient_device()
         local = torch.tensor([rungs.get(k, -1) for k in keys], dtype=torch.int64, device=device)
         agreed = local.clone()
         transport.run(_single(Broadcast(agreed, 0)))
@@ -498,13 +529,15 @@ class Controller:
         sum) has no statistic: its norm is NaN when that is so on rank 0 (``"rank0"``)
         or on every rank (``"mean"``, which averages over the ranks that have one).
         """
+        transport = self.transport()
+        if self._shard_owners(transport.world_size) is not None:
+            return self._sharded_statistics(transport)
         keys = self.sums.keys_in(self.params.shapes)
         if not keys:
             return {}, {}
         grads = self.sums.norms(keys)
         valid = torch.stack(self.sums.valid(keys)).double()
         norms = torch.stack(grads).double()
-        transport = self.transport()
         mean = self.statistic == "mean" and transport.world_size > 1
         # with "mean", a rank without a statistic adds 0 and is not counted
         norms = norms * valid if mean else norms.masked_fill(valid == 0, math.nan)
@@ -524,6 +557,37 @@ class Controller:
         flat = values.tolist()
         grad_norms = dict(zip(keys, flat[:n]))
         return grad_norms, dict(zip(keys, flat[2 * n :])) if with_memory else {}
+
+    def _sharded_statistics(self, transport) -> tuple[dict[str, float], dict[str, float]]:
+        """``"sharded"``: each layer's norms from the rank that sums it, the others adding
+        0, in one all-reduce. A layer no rank has a sum of (no gradient yet) is left out;
+        one whose owner skipped every gradient of the period has a NaN norm."""
+        owners, rank = self._owners, self._rank(transport.world_size)
+        keys = [k for k in self._compressed_keys() if k in owners]
+        if not keys:
+            return {}, {}
+        with_memory = "memory_norms" in self.rule.needs
+        n, device = len(keys), self._gradient_device()
+        values = torch.zeros((4 if with_memory else 3) * n, dtype=torch.float64, device=device)
+        mine = [i for i, k in enumerate(keys) if owners[k] == rank and k in self.sums]
+        if mine:
+            ix = torch.tensor(mine, device=device)
+            mine_keys = [keys[i] for i in mine]
+            valid = torch.stack(self.sums.valid(mine_keys)).double()
+            norms = torch.stack(self.sums.norms(mine_keys)).double()
+            values[ix] = norms.masked_fill(valid == 0, 0.0)
+            values[ix + n], values[ix + 2 * n] = valid, 1.0
+            if with_memory:
+                like = norms[0]
+                values[ix + 3 * n] = torch.stack([_norm(self.reducer.memory.get(k), like)
+                                                  for k in mine_keys])  # fmt: skip
+        transport.run(_single(AllReduce(values)))
+        flat = values.tolist()
+        present = [i for i in range(n) if flat[2 * n + i]]
+        grad_norms = {keys[i]: flat[i] if flat[n + i] else math.nan for i in present}
+        if not with_memory:
+            return grad_norms, {}
+        return grad_norms, {keys[i]: flat[3 * n + i] for i in present}
 
     def critical(self) -> dict[str, bool]:
         """Per layer of the decision in force: whether it is at the mildest rung."""
@@ -655,6 +719,7 @@ class Controller:
             self.params.expected = previous
             raise
         self.reducer, self.sums, self.ledger, self._rungs, counters = parts
+        self._owners = None  # "sharded": dealt out again, dropping sums it does not own
         self.epoch, self.step, self._decay.last_lr, self._decay.reference, self._decayed = counters
         self._costs.clear()
 
@@ -729,6 +794,8 @@ class Controller:
         """The device of the gradients seen so far (or of the bound module), if known."""
         if self.sums.device is not None:
             return self.sums.device
+        if self._device is not None:  # "sharded": a rank may sum no layer
+            return self._device
         module = self.params.module
         first = next(module.parameters(), None) if module is not None else None
         return None if first is None else first.device

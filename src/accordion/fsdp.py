@@ -74,6 +74,11 @@ class FSDPState(Controller):
                 "FSDPState takes its process group from mesh and its parameters from "
                 "model, not from process_group= or model="
             )
+        if options.get("statistic") == "sharded":
+            raise ValueError(
+                "FSDPState takes statistic 'rank0' or 'mean', got 'sharded': its sums are "
+                "sharded over the shard dimension already"
+            )
         replicate, shard = _mesh_groups(mesh, dims)
         super().__init__(None, **options)
         self.process_group = replicate

@@ -9,6 +9,7 @@ no statistic for that period (:meth:`GradientSums.valid`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,22 @@ from ._validate import check_int, check_tensor_shapes
 #: The keys of a :meth:`GradientSums.state_dict`; a plain map of tensors is the sums alone
 #: (checkpoints written before the count of skipped steps).
 STATE_KEYS = frozenset({"sums", "steps", "skipped", "skipped_total"})
+
+
+def shard_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[str, int]:
+    """Which rank keeps each layer's sum under ``statistic="sharded"``: the layers dealt
+    out largest first, each to the rank holding the fewest elements so far (ties: the
+    lower rank; layers of one size: in ``shapes``' order). The same on every rank,
+    given the same ``shapes`` in the same order."""
+    check_int("world_size", world_size, 1)
+    sizes = {key: math.prod(shape) for key, shape in shapes.items()}
+    load = [0] * world_size
+    owners: dict[str, int] = {}
+    for key in sorted(sizes, key=lambda k: -sizes[k]):  # stable: ties keep their order
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[key] = rank
+        load[rank] += sizes[key]
+    return owners
 
 
 class GradientSums:
@@ -50,6 +67,9 @@ class GradientSums:
             skipped = self._skipped[key] = torch.zeros(2, dtype=torch.int64, device=acc.device)
         skipped.add_(~finite)  # broadcast: both counters
         self._steps[key] = self._steps.get(key, 0) + 1
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sums
 
     def keys_in(self, order: Iterable[str]) -> list[str]:
         """The keys with a sum, in the order of ``order``."""

@@ -8,7 +8,9 @@ is their *average* over the ranks. The ``"sum"`` policy keeps that average: new 
 times ``new_world / old_world``. The ``"drop"`` policy starts every memory at zero
 (what was owed is lost: a small, one-time error). Either way a ``RuntimeWarning`` says
 so. The statistic of the period in progress (the accumulated gradients) comes from the
-old rank ``r`` (or rank 0, when ``r`` did not exist).
+old rank ``r`` (or rank 0, when ``r`` did not exist). Under ``statistic="sharded"`` the
+layers are dealt out again for the new world size: a rank drops, at its first step, the
+sums of layers it no longer owns, and a layer whose owner changed starts its sum anew.
 """
 
 from __future__ import annotations
