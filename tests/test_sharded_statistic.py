@@ -126,7 +126,8 @@ def _lazy_run(rank, world_size, out_dir):
         held.append(sorted(state.sums.keys_in(state.params.shapes)))
         state.end_epoch(optimizer)
     checks = [sorted(c["layers"]) for c in state.stats()["checks"]]
-    torch.save({"held": held, "checks": checks, "levels": state.levels()}, f"{out_dir}/rank{rank}.pt")
+    record = {"held": held, "checks": checks, "levels": state.levels()}
+    torch.save(record, f"{out_dir}/rank{rank}.pt")
 
 
 def test_bound_lazily_every_rank_sums_every_layer_until_the_first_step_ends(tmp_path):

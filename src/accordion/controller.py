@@ -249,7 +249,8 @@ class Controller:
         if self._collecting():
             owners, rank = self._shard_owners(world), self._rank(world)
             for key, grad in zip(keys, grads):
-                if reducer.compresses(grad, key) and (owners is None or owners[key] == rank):
+                if reducer.compresses(grad, key) and (owners is None
+                                                      or owners.get(key, rank) == rank):
                     self.sums.add(key, grad)
         for key, grad in zip(keys, grads):
             self.ledger.add(key, *self._cost(key, grad, world))
@@ -274,14 +275,15 @@ class Controller:
     def _rank(self, world: int) -> int:
         return dist.get_rank(self.process_group) if world > 1 else 0
 
-    def _shard_owners(self, world: int) -> dict[str, int] | None:
+    def _shard_owners(self, world: int, check: bool = False) -> dict[str, int] | None:
         """Under ``"sharded"``, the rank that sums each layer the compressor applies to;
         ``None`` otherwise, or while the layers are not all known (bound lazily, before
-        the first step ended: until then every rank sums every layer)."""
+        the first step ended: until then every rank sums every layer) unless at a
+        ``check``, where the layers seen are all there are."""
         if self.statistic != "sharded" or world == 1:
             return None
         if self._owners is None:
-            if self.params.module is None and self.step == 0:
+            if self.params.module is None and self.step == 0 and not check:
                 return None
             applies = self.reducer.compressor.applies_to
             shapes = {k: s for k, s in self.params.shapes.items() if applies(s)}
@@ -530,7 +532,7 @@ class Controller:
         or on every rank (``"mean"``, which averages over the ranks that have one).
         """
         transport = self.transport()
-        if self._shard_owners(transport.world_size) is not None:
+        if self._shard_owners(transport.world_size, check=True) is not None:
             return self._sharded_statistics(transport)
         keys = self.sums.keys_in(self.params.shapes)
         if not keys:
