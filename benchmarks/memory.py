@@ -6,10 +6,10 @@ set size (``VmHWM``: peak RSS is monotonic, so every configuration runs in a fre
 processes) and the bytes of the tensors the hook's state keeps between steps:
 
 * ours: error-feedback memory (``reducer.memory``), the compressor's factors (PowerSGD's
-  warm-start Q and its shared-seed cache), the reducer's flat input buffers (kept between
-  steps, one per set of keys) and the statistic's accumulators (``state.sums``). The
-  memory lives in the buffers, so the categories overlap; ``unique`` counts every
-  storage once, which is what the state really holds.
+  warm-start Q and its shared-seed cache), the flat buffers the memory lives in (whole
+  storages: also the next step's inputs) and the statistic's accumulators
+  (``state.sums``). The memory lives in the buffers, so the categories overlap;
+  ``unique`` counts every storage once, which is what the state really holds.
 * PyTorch: ``error_dict``, ``p_memory_dict`` and ``q_memory_dict``.
 
 Each configuration runs ``--reps`` times, in interleaved order; the table gives the
@@ -132,10 +132,19 @@ def state_tensors(state) -> dict[str, list[torch.Tensor]]:
     return {
         "memory": _tensors_in(reducer.memory._memory),
         "factors": factors,
-        # a set's entry: its flat buffer (any layout: the tensors in it are found)
-        "buffers": _tensors_in(list(reducer._buffers.values())),
+        # the storages the memories live in, whole (views of a flat buffer count it all)
+        "buffers": _storages_of(_tensors_in(reducer.memory._memory)),
         "accumulators": _tensors_in([state.sums._sums, state.sums._skipped]),
     }
+
+
+def _storages_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat tensor over each distinct storage that ``tensors`` live in."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    return [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages.values()]
 
 
 def breakdown(state) -> dict[str, int]:
@@ -145,15 +154,9 @@ def breakdown(state) -> dict[str, int]:
     out = {name: nominal_bytes(ts) for name, ts in parts.items()}
     out["unique"] = unique_bytes([t for ts in parts.values() for t in ts])
     if "buffers" in parts:
-        live = {m.untyped_storage().data_ptr() for m in parts["memory"]}
-        sets = [_tensors_in(entry) for entry in state.reducer._buffers.values()]
-        out["buffer_sets"] = len(sets)
-        # a set no memory lives in (e.g. one of DDP's buckets before it rebuilt them) is
-        # kept only until _MAX_BUFFER_SETS newer sets push it out
-        out["stale_buffers"] = sum(
-            nominal_bytes(tensors) for tensors in sets
-            if not any(t.untyped_storage().data_ptr() in live for t in tensors)
-        )  # fmt: skip
+        out["buffer_sets"] = len(parts["buffers"])
+        # bytes of those storages that hold no live memory (freed once the keys move out)
+        out["stale_buffers"] = out["buffers"] - out["memory"]
     return out
 
 

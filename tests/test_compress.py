@@ -346,7 +346,7 @@ def test_non_finite_gradient_warns_and_resets_the_memory_to_zero(name, level):
         run_workers(reducers, ["w"], grads)
     for r, g in zip(reducers, grads):
         assert not torch.isfinite(g[0]).all()  # passed on, so a GradScaler skips the step
-        assert r.memory.get("w") is None  # the step overwrote it: nothing non-finite kept
+        assert torch.count_nonzero(r.memory.get("w")) == 0  # nothing non-finite is kept
         assert r.non_finite_steps == 1
     # and the next finite step is finite again
     grads = [[torch.randn(6, 6)], [torch.randn(6, 6)]]
@@ -375,19 +375,27 @@ def test_after_a_non_finite_step_error_feedback_restarts_as_from_zero(name, leve
         assert torch.equal(got[0], want[0])
     for r, f in zip(reducers, fresh):
         assert torch.equal(r.memory.get("w"), f.memory.get("w"))
+        assert r.non_finite_steps == 1
+
+
+def _storage_of(t: torch.Tensor) -> tuple[int, int]:
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
 def test_the_memory_is_compensated_in_place_in_one_buffer_per_set_of_keys():
     # error feedback costs one model-size buffer: the next input is written over the memory
     reducer = Reducer(PowerSGD(2))
     shapes = {"a": (8, 6), "b": (8, 6), "c": (5, 7)}
-    for _ in range(3):
+    where = None
+    for _ in range(4):
         grads = [torch.randn(s) for s in shapes.values()]
         SimulatedTransport(1).run([reducer.exchange(list(shapes), grads, 1)])
-        (buffer,) = reducer._buffers.values()
-        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * 4
-        for key in shapes:
-            assert start <= reducer.memory.get(key).data_ptr() < end, key
+        memories = [reducer.memory.get(k) for k in shapes]
+        now = [m.data_ptr() for m in memories]
+        assert where is None or now == where  # the same place every step
+        where = now
+        (storage,) = {_storage_of(m) for m in memories}  # one flat buffer, all of it live
+        assert storage[1] == sum(m.numel() * 4 for m in memories)
 
 
 def test_the_reducer_matches_hand_written_error_feedback_over_several_steps():
@@ -533,11 +541,28 @@ def test_a_key_switched_to_dense_sends_what_its_memory_owes_and_then_forgets_it(
     assert reducer.memory.get("w") is None
 
 
-def test_a_new_set_of_keys_drops_the_buffers_of_older_sets_sharing_a_key():
-    # DDP rebuilds its buckets after the first step: the first step's sets are obsolete
+def test_rebuilt_sets_of_keys_keep_using_the_buffer_their_memory_lives_in():
+    # DDP rebuilds its buckets after the first step: no second model-size buffer then
     reducer = Reducer(PowerSGD(2), ErrorFeedback())
     grads = {k: torch.randn(8, 6) for k in "abc"}
     world = SimulatedTransport(1)
-    for keys in (["a"], ["b", "c"], ["a", "b"], ["a", "b"]):
+    world.run([reducer.exchange(list("abc"), [grads[k].clone() for k in "abc"], 1)])
+    first = {k: reducer.memory.get(k).data_ptr() for k in "abc"}
+    for keys in (["a", "b"], ["c"], ["a", "b"], ["c"]):
         world.run([reducer.exchange(keys, [grads[k].clone() for k in keys], 1)])
-    assert [signature[0] for signature in reducer._buffers] == [("a", "b")]
+    assert {k: reducer.memory.get(k).data_ptr() for k in "abc"} == first
+
+
+def test_keys_move_out_of_a_buffer_that_holds_a_memory_no_more_so_that_it_is_freed():
+    reducer = Reducer(PowerSGD(2), ErrorFeedback())
+    grads = {k: torch.randn(8, 6) for k in "abc"}
+    world = SimulatedTransport(1)
+    world.run([reducer.exchange(list("abc"), [grads[k].clone() for k in "abc"], 1)])
+    old = _storage_of(reducer.memory.get("a"))
+    reducer.set_dense(["c"])  # c's memory goes with its next (dense) exchange
+    world.run([reducer.exchange(list("abc"), [grads[k].clone() for k in "abc"], 1)])
+    assert reducer.memory.get("c") is None
+    world.run([reducer.exchange(["a", "b"], [grads[k].clone() for k in "ab"], 1)])
+    new = {_storage_of(reducer.memory.get(k)) for k in "ab"}
+    assert len(new) == 1 and old not in new
+    assert next(iter(new))[1] == 2 * 8 * 6 * 4  # exactly a's and b's memory

@@ -13,8 +13,6 @@ from .memory import ErrorFeedback, NoMemory
 from .transport import Exchange, parallel
 from .wire import check_world_size
 
-#: Sets of keys (DDP buckets, say) whose input buffers are kept between steps.
-_MAX_BUFFER_SETS = 256
 #: The keys of a state_dict, and all it may hold (older ones lack the last two).
 _STATE_KEYS = frozenset({"compressor", "memory"})
 _ALL_STATE_KEYS = _STATE_KEYS | {"dense_keys", "non_finite_steps"}
@@ -59,7 +57,8 @@ class Reducer:
         self.non_finite_steps = 0
         #: Keys sent dense whatever their shape (compression would not pay for them).
         self.dense_keys: set[Hashable] = set()
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # bytes of live memory per storage, or None when it must be counted again
+        self._live: dict[int, int] | None = None
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
@@ -121,6 +120,7 @@ class Reducer:
         memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])  # checks all before changing
         self.memory = memory
+        self._live = None
         self.dense_keys = dense
         self.non_finite_steps = count
 
@@ -161,17 +161,14 @@ class Reducer:
         return exchanges, order, owed
 
     def _compressed_part(self, ix, keys, grads, world_size) -> Exchange[Any]:
-        # One buffer for the part, tensors of one shape side by side: a compressor that
-        # batches them (PowerSGD) takes a view instead of copying them together.
-        ix.sort(key=lambda i: tuple(grads[i].shape))
+        # Tensors of one shape side by side, in the order their memories lie in: a
+        # compressor that batches them (PowerSGD) takes a view instead of copying them
+        # together, and the memories can serve as the inputs (see _homes).
+        ix.sort(key=lambda i: (tuple(grads[i].shape), _address(self.memory.get(keys[i]))))
         part_keys = [keys[i] for i in ix]
-        flat = self._buffer(part_keys, [grads[i] for i in ix])
-        inputs, offset = [], 0
-        for i in ix:
-            size = grads[i].numel()
-            out = flat[offset : offset + size].view(grads[i].shape)
-            inputs.append(self.memory.compensate(keys[i], grads[i], out=out))
-            offset += size
+        part = [grads[i] for i in ix]
+        homes = self._homes(part_keys, part)
+        inputs = [self.memory.compensate(k, g, out=h) for k, g, h in zip(part_keys, part, homes)]
         # the averages are written straight into the gradients
         targets = [grads[i].detach() for i in ix]
         return self.compressor.exchange(part_keys, inputs, world_size, out=targets)
@@ -204,9 +201,10 @@ class Reducer:
         )
         if finite:
             for key, residual in residuals.items():
-                self.memory.update(key, residual)
+                self._keep(key, residual)
             for key in owed:
                 self.memory.update(key, None)
+                self._live = None
         elif residuals:
             self._skip_non_finite(residuals)
         for g, out in zip(grads, outputs):
@@ -216,9 +214,12 @@ class Reducer:
 
     def _skip_non_finite(self, residuals: Iterable[Hashable]) -> None:
         residuals = list(residuals)
-        # the memory was compensated in place and then overwritten by this step: drop it
+        # the memory was compensated in place, then overwritten by this step: zero it,
+        # where it lives, so that the next step compensates in place again
         for key in residuals:
-            self.memory.update(key, None)
+            memory = self.memory.get(key)
+            if memory is not None:
+                memory.zero_()
         self.non_finite_steps += 1
         self.compressor.reset(residuals)
         warnings.warn(
@@ -228,30 +229,74 @@ class Reducer:
             stacklevel=3,  # as before this was a helper: the frame resuming the exchange
         )
 
-    def _buffer(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """A flat buffer for the compensated inputs of ``keys``, reused between steps.
+    def _homes(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor]) -> list[Any]:
+        """Where the compensated inputs of ``keys`` go: their memories themselves (``g +
+        e`` written over ``e``, so that error feedback costs one model-size buffer), or
+        the views of a fresh flat buffer that the memory then lives in.
 
-        One per set of keys: the memory that one step keeps (its residuals, views of the
-        buffer) is compensated in place by the next, ``g + e`` written over ``e``, so
-        error feedback costs one model-size buffer. Allocating it every step would cost
-        page faults and zeroing each time.
+        The memories serve when every key has one, contiguous and of its gradient's
+        shape, dtype and device; tensors of one shape follow each other in memory, as in
+        a flat buffer; and every storage they live in holds only live memories. After
+        DDP rebuilds its buckets, the rebuilt buckets thus keep using the first step's
+        buffer rather than doubling the memory while they move out of it; and when a
+        storage holds a memory no more (a tensor sent dense, a bucket that moved), the
+        keys still in it move out too, so that it is freed.
         """
+        memories = [self.memory.get(k) for k in keys]
+        if self._can_home(memories, grads):
+            return memories
         like = grads[0]
-        numel = sum(g.numel() for g in grads)
-        signature = (tuple(keys), like.dtype, like.device)
-        buffer = self._buffers.pop(signature, None)  # re-inserted last: the most recent
-        if buffer is None or buffer.numel() != numel:
-            # A key is in one set at a time: an older set sharing a key with this one is
-            # obsolete (DDP rebuilt its buckets after its first step, a tensor went dense)
-            # and would otherwise stay until _MAX_BUFFER_SETS newer sets pushed it out.
-            fresh = set(keys)
-            for old in [s for s in self._buffers if not fresh.isdisjoint(s[0])]:
-                del self._buffers[old]
-            buffer = like.new_empty(numel)
-        self._buffers[signature] = buffer
-        while len(self._buffers) > _MAX_BUFFER_SETS:  # e.g. parts that changed: drop old
-            self._buffers.pop(next(iter(self._buffers)))
-        return buffer
+        flat = like.new_empty(sum(g.numel() for g in grads))
+        homes, offset = [], 0
+        for g in grads:
+            homes.append(flat[offset : offset + g.numel()].view(g.shape))
+            offset += g.numel()
+        return homes
+
+    def _can_home(self, memories: list[Any], grads: Sequence[torch.Tensor]) -> bool:
+        previous = None
+        for m, g in zip(memories, grads):
+            if m is None or not m.is_contiguous() or (m.shape, m.dtype, m.device) != (
+                g.shape, g.dtype, g.device
+            ):  # fmt: skip
+                return False
+            if previous is not None and previous.shape == m.shape:
+                end = previous.data_ptr() + previous.numel() * previous.element_size()
+                if m.data_ptr() != end:
+                    return False
+            previous = m
+        live = self._live_bytes()
+        return all(live.get(_storage(m)[0]) == _storage(m)[1] for m in memories)
+
+    def _live_bytes(self) -> dict[int, int]:
+        """Bytes of live memory per storage (by its address), counted again after a
+        memory moved or went."""
+        if self._live is None:
+            live: dict[int, int] = {}
+            for key in self.memory.keys():
+                m = self.memory.get(key)
+                address = _storage(m)[0]
+                live[address] = live.get(address, 0) + m.numel() * m.element_size()
+            self._live = live
+        return self._live
+
+    def _keep(self, key: Hashable, residual: torch.Tensor | None) -> None:
+        """Store ``key``'s residual; the live-bytes count is stale if it changed storage."""
+        old = self.memory.get(key)
+        if old is None or residual is None or _storage(old)[0] != _storage(residual)[0]:
+            self._live = None
+        self.memory.update(key, residual)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """Where ``t``'s data starts (0 for no tensor)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """The address and size in bytes of the storage ``t`` lives in."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def _recording(exchange: Exchange[Any], received: list[torch.Tensor]) -> Exchange[Any]:
