@@ -59,6 +59,9 @@ class Reducer:
         self.dense_keys: set[Hashable] = set()
         # bytes of live memory per storage, or None when it must be counted again
         self._live: dict[int, int] | None = None
+        # per key, its place in the order of the flat buffers laid out so far
+        self._slots: dict[Hashable, int] = {}
+        self._next_slot = 0
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
@@ -80,6 +83,8 @@ class Reducer:
         """Move ``old``'s compressor state, memory and dense flag to the key ``new``."""
         self.compressor.rename(old, new)
         self.memory.rename(old, new)
+        if old in self._slots:
+            self._slots[new] = self._slots.pop(old)
         if old in self.dense_keys:
             self.dense_keys.discard(old)
             self.dense_keys.add(new)
@@ -161,10 +166,12 @@ class Reducer:
         return exchanges, order, owed
 
     def _compressed_part(self, ix, keys, grads, world_size) -> Exchange[Any]:
-        # Tensors of one shape side by side, in the order their memories lie in: a
-        # compressor that batches them (PowerSGD) takes a view instead of copying them
-        # together, and the memories can serve as the inputs (see _homes).
-        ix.sort(key=lambda i: (tuple(grads[i].shape), _address(self.memory.get(keys[i]))))
+        # Tensors of one shape side by side, in the order they were laid out in (the same
+        # on every rank, unlike addresses): a compressor that batches them (PowerSGD)
+        # takes a view instead of copying them together, and the memories can serve as
+        # the inputs (see _homes).
+        slots = self._slots
+        ix.sort(key=lambda i: (tuple(grads[i].shape), slots.get(keys[i], -1)))
         part_keys = [keys[i] for i in ix]
         part = [grads[i] for i in ix]
         homes = self._homes(part_keys, part)
@@ -248,9 +255,11 @@ class Reducer:
         like = grads[0]
         flat = like.new_empty(sum(g.numel() for g in grads))
         homes, offset = [], 0
-        for g in grads:
+        for key, g in zip(keys, grads):
             homes.append(flat[offset : offset + g.numel()].view(g.shape))
             offset += g.numel()
+            self._slots[key] = self._next_slot
+            self._next_slot += 1
         return homes
 
     def _can_home(self, memories: list[Any], grads: Sequence[torch.Tensor]) -> bool:
@@ -286,11 +295,6 @@ class Reducer:
         if old is None or residual is None or _storage(old)[0] != _storage(residual)[0]:
             self._live = None
         self.memory.update(key, residual)
-
-
-def _address(t: torch.Tensor | None) -> int:
-    """Where ``t``'s data starts (0 for no tensor)."""
-    return 0 if t is None else t.data_ptr()
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
