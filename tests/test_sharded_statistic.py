@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -86,9 +87,24 @@ def _sharded_run(rank, world_size, out_dir):
                f"{out_dir}/rank{rank}.pt")  # fmt: skip
 
 
-def test_each_rank_sums_its_own_layers_and_every_rank_sees_each_owners_norms(tmp_path):
-    run_processes(_sharded_run, 2, str(tmp_path))
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def _both_runs(rank, world_size, out_dir):
+    # one pair of processes for both runs: starting them costs more than the training
+    for name, run in (("bound", _sharded_run), ("lazy", _lazy_run)):
+        os.makedirs(f"{out_dir}/{name}", exist_ok=True)
+        run(rank, world_size, f"{out_dir}/{name}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both ranks' records of a bound and a lazily bound 2-process run."""
+    out = tmp_path_factory.mktemp("sharded")
+    run_processes(_both_runs, 2, str(out))
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)]
+            for name in ("bound", "lazy")}  # fmt: skip
+
+
+def test_each_rank_sums_its_own_layers_and_every_rank_sees_each_owners_norms(runs):
+    records = runs["bound"]
     shapes = {"fc1.weight": (32, 20), "fc2.weight": (32, 32), "fc3.weight": (4, 32)}
     owners = shard_owners(shapes, 2)
     assert set(owners.values()) == {0, 1}  # both ranks hold a share
@@ -130,9 +146,8 @@ def _lazy_run(rank, world_size, out_dir):
     torch.save(record, f"{out_dir}/rank{rank}.pt")
 
 
-def test_bound_lazily_every_rank_sums_every_layer_until_the_first_step_ends(tmp_path):
-    run_processes(_lazy_run, 2, str(tmp_path))
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def test_bound_lazily_the_layers_are_dealt_out_after_the_first_step(runs):
+    records = runs["lazy"]
     held = [set(r["held"][-1]) for r in records]
     assert held[0] and held[1] and not held[0] & held[1]  # dealt out, disjoint
     assert len(held[0] | held[1]) == 3  # the three weight matrices
