@@ -59,7 +59,8 @@ class Reducer:
         self.dense_keys: set[Hashable] = set()
         # bytes of live memory per storage, or None when it must be counted again
         self._live: dict[int, int] | None = None
-        # per key, its place in the order of the flat buffers laid out so far
+        # per key, its place in the order of the parts exchanged so far (the same on
+        # every rank), which is the order its memory lies in
         self._slots: dict[Hashable, int] = {}
         self._next_slot = 0
 
@@ -125,7 +126,7 @@ class Reducer:
         memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])  # checks all before changing
         self.memory = memory
-        self._live = None
+        self._live, self._slots = None, {}  # every rank starts over alike
         self.dense_keys = dense
         self.non_finite_steps = count
 
@@ -249,17 +250,18 @@ class Reducer:
         storage holds a memory no more (a tensor sent dense, a bucket that moved), the
         keys still in it move out too, so that it is freed.
         """
+        for key in keys:  # whatever serves: so the slots stay the same on every rank
+            self._slots[key] = self._next_slot
+            self._next_slot += 1
         memories = [self.memory.get(k) for k in keys]
         if self._can_home(memories, grads):
             return memories
         like = grads[0]
         flat = like.new_empty(sum(g.numel() for g in grads))
         homes, offset = [], 0
-        for key, g in zip(keys, grads):
+        for g in grads:
             homes.append(flat[offset : offset + g.numel()].view(g.shape))
             offset += g.numel()
-            self._slots[key] = self._next_slot
-            self._next_slot += 1
         return homes
 
     def _can_home(self, memories: list[Any], grads: Sequence[torch.Tensor]) -> bool:
