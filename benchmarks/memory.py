@@ -111,11 +111,7 @@ def nominal_bytes(tensors: list[torch.Tensor]) -> int:
 
 def unique_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the storages behind the tensors, each counted once: what they hold."""
-    storages = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return nominal_bytes(_storages_of(tensors))
 
 
 def state_tensors(state) -> dict[str, list[torch.Tensor]]:
@@ -149,7 +145,7 @@ def _storages_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def breakdown(state) -> dict[str, int]:
     """Bytes per category, ``unique`` (all categories, each storage once) and, for ours,
-    the number of buffer sets and the bytes of buffer sets that hold no memory."""
+    the number of buffers the memory lives in and their bytes that hold no memory."""
     parts = state_tensors(state)
     out = {name: nominal_bytes(ts) for name, ts in parts.items()}
     out["unique"] = unique_bytes([t for ts in parts.values() for t in ts])

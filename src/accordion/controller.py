@@ -247,7 +247,8 @@ class Controller:
         if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
             self._warn_of_useless_levels()
         if self._collecting():
-            owners, rank = self._shard_owners(world), self._rank(world)
+            owners = self._shard_owners(world)
+            rank = 0 if owners is None else self._rank(world)  # a host call: only if read
             for key, grad in zip(keys, grads):
                 if reducer.compresses(grad, key) and (owners is None
                                                       or owners.get(key, rank) == rank):

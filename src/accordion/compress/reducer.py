@@ -277,7 +277,7 @@ class Reducer:
                     return False
             previous = m
         live = self._live_bytes()
-        return all(live.get(_storage(m)[0]) == _storage(m)[1] for m in memories)
+        return all(live.get(address) == size for address, size in map(_storage, memories))
 
     def _live_bytes(self) -> dict[int, int]:
         """Bytes of live memory per storage (by its address), counted again after a
