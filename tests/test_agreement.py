@@ -187,9 +187,10 @@ def _count_collectives(rank, world_size):
     transport._issue = lambda op: issued.append((type(op).__name__, op.tensor.numel())) or issue(op)
     _train_step(model, state, rank, 0)
     issued.clear()
-    state.end_epoch(next_lr=0.1)  # a check: the agreement first, then the rule's broadcasts
-    assert issued[0] == ("AllGather", 4) and len(issued) > 1, issued
-    assert [op for op in issued[1:] if op[0] != "Broadcast"] == [], issued
+    state.end_epoch(next_lr=0.1)  # a check: agreement, statistics, the rule's broadcasts
+    assert issued[0] == ("AllGather", 4) and len(issued) > 2, issued
+    assert issued[1][0] == "AllReduce", issued  # the owners' norms (statistic="sharded")
+    assert [op for op in issued[2:] if op[0] != "Broadcast"] == [], issued
     issued.clear()
     state.end_epoch(next_lr=0.1)  # no check (interval 2): only the agreement
     assert issued == [("AllGather", 4)], issued

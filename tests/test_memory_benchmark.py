@@ -14,7 +14,7 @@ from accordion.models import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ["dense", "torch-psgd4", "ours-psgd4", "ours-accordion421",
-           "ours-accordion421-sharded", "ours-topk0.01"]
+           "ours-accordion421-rank0", "ours-topk0.01"]
 OURS = [c for c in CONFIGS if c.startswith("ours-")]
 
 
@@ -52,7 +52,7 @@ def test_every_configuration_has_a_row_with_its_peak_rss(report) -> None:
         assert isinstance(row["extra_mib"], float)
     assert rows["dense"]["extra_mib"] == 0.0
     assert rows["dense"]["state"] == {"unique": 0}
-    assert set(report["goal"]) == {"ours-psgd4", "ours-accordion421", "ours-accordion421-sharded"}
+    assert set(report["goal"]) == {"ours-psgd4", "ours-accordion421", "ours-accordion421-rank0"}
 
 
 def test_our_error_feedback_memory_is_exactly_the_compressed_parameters(report) -> None:
@@ -73,9 +73,10 @@ def test_factors_and_accumulators_are_accounted_where_they_exist(report) -> None
     assert rows["ours-topk0.01"]["state"]["factors"] == 0  # top-k keeps no factors
     assert rows["ours-psgd4"]["state"]["accumulators"] == 0  # static: no statistic
     assert rows["ours-accordion421"]["state"]["accumulators"] > 0
-    # sharded: each rank sums its own layers, together exactly what one rank holds above
-    whole = rows["ours-accordion421"]["state_by_rank"]
-    shares = [s["accumulators"] for s in rows["ours-accordion421-sharded"]["state_by_rank"]]
+    # sharded (the default): each rank sums its own layers, together what one rank holds
+    # under rank0
+    whole = rows["ours-accordion421-rank0"]["state_by_rank"]
+    shares = [s["accumulators"] for s in rows["ours-accordion421"]["state_by_rank"]]
     assert all(0 < share < whole[0]["accumulators"] for share in shares)
     assert sum(shares) == whole[0]["accumulators"]
     # PyTorch's hook sends dense for start_powerSGD_iter=2 steps: no state yet after 2

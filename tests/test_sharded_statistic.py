@@ -87,20 +87,43 @@ def _sharded_run(rank, world_size, out_dir):
                f"{out_dir}/rank{rank}.pt")  # fmt: skip
 
 
+def _resumed_run(rank, world_size, out_dir):
+    """Two steps under "rank0", its checkpoint loaded by a default state, one more step."""
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    old = AccordionState(net, "powersgd", levels=(4, 2, 1), statistic="rank0")
+    old.register(ddp)
+    for step in range(2):
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+    keys = sorted(old.sums.keys_in(old.params.shapes))
+    new = AccordionState(net, "powersgd", levels=(4, 2, 1))  # the default: "sharded"
+    new.load_state_dict(old.state_dict())
+    loaded = {"statistic": new.statistic, "norms": [float(v) for v in new.sums.norms(keys)],
+              "old_norms": [float(v) for v in old.sums.norms(keys)], "keys": keys}  # fmt: skip
+    ddp = DDP(net)
+    new.register(ddp)
+    x, y = batch(rank, 2)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    loaded["held"] = sorted(new.sums.keys_in(new.params.shapes))
+    torch.save(loaded, f"{out_dir}/rank{rank}.pt")
+
+
 def _both_runs(rank, world_size, out_dir):
-    # one pair of processes for both runs: starting them costs more than the training
-    for name, run in (("bound", _sharded_run), ("lazy", _lazy_run)):
+    # one pair of processes for all runs: starting them costs more than the training
+    for name, run in (("bound", _sharded_run), ("lazy", _lazy_run), ("resumed", _resumed_run)):
         os.makedirs(f"{out_dir}/{name}", exist_ok=True)
         run(rank, world_size, f"{out_dir}/{name}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both ranks' records of a bound and a lazily bound 2-process run."""
+    """Both ranks' records of a bound, a lazily bound and a resumed 2-process run."""
     out = tmp_path_factory.mktemp("sharded")
     run_processes(_both_runs, 2, str(out))
     return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)]
-            for name in ("bound", "lazy")}  # fmt: skip
+            for name in ("bound", "lazy", "resumed")}  # fmt: skip
 
 
 def test_each_rank_sums_its_own_layers_and_every_rank_sees_each_owners_norms(runs):
@@ -154,3 +177,21 @@ def test_bound_lazily_the_layers_are_dealt_out_after_the_first_step(runs):
     assert records[0]["checks"] == records[1]["checks"] and len(records[0]["checks"]) == 3
     assert all(len(layers) == 3 for layers in records[0]["checks"])
     assert records[0]["levels"] == records[1]["levels"]
+
+
+def test_a_rank0_checkpoint_resumes_under_the_default_each_owner_keeping_its_sums(runs):
+    shapes = {"fc1.weight": (32, 20), "fc2.weight": (32, 32), "fc3.weight": (4, 32)}
+    owners = shard_owners(shapes, 2)
+    for rank, record in enumerate(runs["resumed"]):
+        assert record["statistic"] == "sharded"
+        assert record["keys"] == sorted(shapes)  # under "rank0" every rank summed all
+        assert record["norms"] == record["old_norms"]  # the period's sums came through
+        assert record["held"] == sorted(k for k, r in owners.items() if r == rank)
+
+
+def test_a_sharded_checkpoint_is_refused_by_a_rank0_state_naming_the_statistic():
+    net = Net()
+    saved = AccordionState(net, "powersgd", levels=(4, 2, 1)).state_dict()
+    state = AccordionState(net, "powersgd", levels=(4, 2, 1), statistic="rank0")
+    with pytest.raises(ValueError, match="statistic is 'sharded' but this state's is 'rank0'"):
+        state.load_state_dict(saved)

@@ -63,11 +63,12 @@ class Controller:
             the guarded rule, 10 for the paper's (which used 10 for CNNs, 5 for the LSTM).
         eta: the default rule's threshold on the relative change of a layer's gradient
             norm (default 0.5); only with the default rule.
-        statistic: ``"rank0"`` (the paper: rank 0's statistics decide, every rank applies
-            the same decision), ``"mean"`` (statistics averaged over ranks) or
-            ``"sharded"`` (each layer's statistic is one rank's, as in the paper, but
-            the layers are dealt out over the ranks, so that each keeps about
-            ``1 / world_size`` of the sums: see :func:`~accordion.statistics.shard_owners`).
+        statistic: ``"sharded"`` (the default: each layer's statistic is one rank's, as
+            in the paper, but the layers are dealt out over the ranks, so that each keeps
+            about ``1 / world_size`` of the sums: see
+            :func:`~accordion.statistics.shard_owners`), ``"rank0"`` (the paper: rank 0's
+            statistics decide every layer; every rank keeps a model-size sum) or
+            ``"mean"`` (statistics averaged over ranks).
         interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
             :meth:`end_step` after every optimizer step).
         process_group: the group to average over: ``None`` (the default group) or a
@@ -93,7 +94,7 @@ class Controller:
         aggressive: Any = None,
         interval: int | None = None,
         eta: float | None = None,
-        statistic: str = "rank0",
+        statistic: str = "sharded",
         interval_unit: str = "epoch",
         process_group: Any = None,
         seed: int = 0,

@@ -61,6 +61,7 @@ class FSDPState(Controller):
         dims: the names of the replicate and the shard dimension of ``mesh``.
         **options: the :class:`~accordion.controller.Controller` arguments (compressor,
             levels, rule, interval, statistic, seed, ...); ``process_group`` is the mesh's.
+            ``statistic`` is ``"rank0"`` (the default here) or ``"mean"``.
 
     A layer's norm (the rule's statistic) is its whole gradient's: the shards' norms
     are combined over the shard group at each check, so that every rank takes the same
@@ -74,7 +75,8 @@ class FSDPState(Controller):
                 "FSDPState takes its process group from mesh and its parameters from "
                 "model, not from process_group= or model="
             )
-        if options.get("statistic") == "sharded":
+        # "rank0" by default: the shards' sums are a fraction of the model already
+        if options.setdefault("statistic", "rank0") == "sharded":
             raise ValueError(
                 "FSDPState takes statistic 'rank0' or 'mean', got 'sharded': its sums are "
                 "sharded over the shard dimension already"

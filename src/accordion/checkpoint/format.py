@@ -39,9 +39,14 @@ def upgrade(state: Any) -> dict[str, Any]:
     return state
 
 
+#: (saved, current) statistics a checkpoint resumes across: "rank0" (the default before
+#: "sharded") keeps every layer's sum on every rank, so each owner finds its own.
+STATISTIC_UPGRADES = frozenset({("rank0", "sharded")})
+
+
 def check_owner(state: Mapping[str, Any], world: int, rank: int, config: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` unless ``state`` was saved by this rank of a job of this world
-    size, with this configuration."""
+    size, with this configuration (its statistic may be upgraded: :data:`STATISTIC_UPGRADES`)."""
     if state["world_size"] != world:
         raise ValueError(
             f"the checkpoint was saved with world size {state['world_size']}, "
@@ -50,9 +55,11 @@ def check_owner(state: Mapping[str, Any], world: int, rank: int, config: Mapping
     if state["rank"] != rank:
         raise ValueError(f"this is rank {rank}'s state loader, got rank {state['rank']}'s file")
     for name, value in state["config"].items():
-        if config.get(name) != value:
+        current = config.get(name)
+        upgrade = name == "statistic" and (value, current) in STATISTIC_UPGRADES
+        if current != value and not upgrade:
             raise ValueError(
-                f"the checkpoint's {name} is {value!r} but this state's is {config.get(name)!r}"
+                f"the checkpoint's {name} is {value!r} but this state's is {current!r}"
             )
 
 

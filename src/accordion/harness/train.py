@@ -79,6 +79,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     interval: int | None = None  # Accordion's check interval, epochs (None: the rule's)
     eta: float = 0.5
+    # the paper's: the documented figures were measured so (the library's default: sharded)
     statistic: str = "rank0"
     on_rank_change: str | None = None  # PowerSGD's Q at a switch; None: the library default
     seed: int = 0
