@@ -88,7 +88,7 @@ def train_config(strategy: str, args: argparse.Namespace):
         task="synthetic", model="resnet18", strategy=strategy, epochs=args.epochs,
         train_samples=args.train_samples, test_samples=TEST_SAMPLES,
         batch_size=args.batch_size, warmup_epochs=0, threads=1, progress=False,
-        seed=args.seed, measure_compute=True,
+        seed=args.seed, measure_compute=True, statistic=args.statistic,
     )  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def train_command(strategy: str, args: argparse.Namespace, directory: Path) -> l
         "--epochs", str(args.epochs), "--train-samples", str(args.train_samples),
         "--test-samples", str(TEST_SAMPLES), "--batch-size", str(args.batch_size),
         "--warmup-epochs", "0", "--threads", "1", "--no-progress", "--seed", str(args.seed),
-        "--measure-compute", "--out", str(directory),
+        "--measure-compute", "--statistic", args.statistic, "--out", str(directory),
     ]  # fmt: skip
 
 
@@ -342,6 +342,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, default=64, help="global batch (default 64)")
     add("--warmup-steps", type=int, default=3, help="first steps of a run not measured")
     add("--seed", type=int, default=0)
+    add("--statistic", default="sharded",
+        help="Accordion's statistic (default sharded, the library's; the harness's is rank0)")
     add("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
     add(
         "--repeats",

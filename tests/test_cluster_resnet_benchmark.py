@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from accordion.cluster import ClusterRun, ClusterRunError
+from accordion.ddp import AccordionState
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cluster_resnet.py"
@@ -143,13 +145,21 @@ def test_bf16_is_skipped_with_the_harness_reason_and_dense_is_not(monkeypatch):
     "argv, match",
     [(["--rates", "fast"], "bandwidth"), (["--reference", "1tbit"], "outside"),
      (["--strategies", "nonsense:1"], "--strategies"), (["--warmup-steps", "14"], "leaves none"),
-     (["--hosts", "1"], "--hosts"), (["--timeout", "0"], "--timeout")],
+     (["--hosts", "1"], "--hosts"), (["--timeout", "0"], "--timeout"),
+     (["--statistic", "median"], "statistic")],
 )  # fmt: skip
 def test_bad_arguments_are_usage_errors_before_any_cluster(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         bench.main([*argv, "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_runs_use_the_librarys_default_statistic_unless_told(tmp_path):
+    default = AccordionState(nn.Linear(2, 2)).statistic
+    for argv, expected in (([], default), (["--statistic", "rank0"], "rank0")):
+        command = bench.train_command("accordion:powersgd:4,2,1", _args(*argv), tmp_path)
+        assert command[command.index("--statistic") + 1] == expected
 
 
 class FakeCluster:
