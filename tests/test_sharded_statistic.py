@@ -110,7 +110,7 @@ def _resumed_run(rank, world_size, out_dir):
     torch.save(loaded, f"{out_dir}/rank{rank}.pt")
 
 
-def _both_runs(rank, world_size, out_dir):
+def _all_runs(rank, world_size, out_dir):
     # one pair of processes for all runs: starting them costs more than the training
     for name, run in (("bound", _sharded_run), ("lazy", _lazy_run), ("resumed", _resumed_run)):
         os.makedirs(f"{out_dir}/{name}", exist_ok=True)
@@ -121,7 +121,7 @@ def _both_runs(rank, world_size, out_dir):
 def runs(tmp_path_factory):
     """Both ranks' records of a bound, a lazily bound and a resumed 2-process run."""
     out = tmp_path_factory.mktemp("sharded")
-    run_processes(_both_runs, 2, str(out))
+    run_processes(_all_runs, 2, str(out))
     return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)]
             for name in ("bound", "lazy", "resumed")}  # fmt: skip
 
