@@ -156,7 +156,7 @@ def test_bad_arguments_are_usage_errors_before_any_cluster(argv, match, capsys, 
 
 
 def test_runs_use_the_librarys_default_statistic_unless_told(tmp_path):
-    default = AccordionState(nn.Linear(2, 2)).statistic
+    default = AccordionState(nn.Linear(64, 64)).statistic
     for argv, expected in (([], default), (["--statistic", "rank0"], "rank0")):
         command = bench.train_command("accordion:powersgd:4,2,1", _args(*argv), tmp_path)
         assert command[command.index("--statistic") + 1] == expected
