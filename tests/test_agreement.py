@@ -19,7 +19,7 @@ from accordion.agreement import check_agreement
 from accordion.compress import AllReduce
 from accordion.compress.transport import CollectiveError, group_timeout
 from accordion.ddp import AccordionState
-from distributed import _exit_quietly, join_or_kill, run_processes
+from distributed import START_METHOD, _exit_quietly, join_or_kill, run_processes
 
 TIMEOUT_S = 5  # the job's timeout in the timeout tests: short, so that they stay short
 
@@ -74,7 +74,7 @@ def run_with_timeout(fn, world_size: int, *args, timeout: float = 60.0) -> None:
     tmp = tempfile.mkdtemp(prefix="accordion-agree-")
     paths = (os.path.join(tmp, "store"), os.path.join(tmp, "sync"))
     ctx = mp.start_processes(_timed_entry, args=(fn, world_size, *paths, args),
-                             nprocs=world_size, join=False, start_method="spawn")  # fmt: skip
+                             nprocs=world_size, join=False, start_method=START_METHOD)  # fmt: skip
     join_or_kill(ctx, timeout)
     shutil.rmtree(tmp, ignore_errors=True)
 
