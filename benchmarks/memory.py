@@ -287,6 +287,7 @@ def summarize(config: str, reps: list[list[dict]], dense: tuple[float | None, fl
     median = statistics.median(peaks)
     steady = [[r.get("steady_peak_rss") for r in rep] for rep in reps]
     steady_peaks = [max(s) / MiB for s in steady if None not in s]
+    steady_median = statistics.median(steady_peaks) if steady_peaks else None
     return {
         "config": config,
         "label": CONFIGS[config],
@@ -298,9 +299,10 @@ def summarize(config: str, reps: list[list[dict]], dense: tuple[float | None, fl
         "peak_rss_mib_max": max(peaks),
         "extra_mib": None if dense_mib is None else median - dense_mib,
         "steady_peak_rss_mib": steady_peaks,
-        "steady_peak_rss_mib_median": statistics.median(steady_peaks) if steady_peaks else None,
-        "steady_extra_mib": (statistics.median(steady_peaks) - dense_steady
-                             if steady_peaks and dense_steady is not None else None),
+        "steady_peak_rss_mib_median": steady_median,
+        "steady_extra_mib": (steady_median - dense_steady
+                             if steady_median is not None and dense_steady is not None
+                             else None),
         "state": reps[0][0]["state"],
         "state_by_rank": [r["state"] for r in reps[0]],
         "compressed_numel": reps[0][0]["compressed_numel"],

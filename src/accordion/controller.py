@@ -275,6 +275,7 @@ class Controller:
         return [k for k, s in self.params.shapes.items() if applies(s) and k not in dense]
 
     def _rank(self, world: int) -> int:
+        """This rank in ``process_group`` (0 for a world of one: no group to ask)."""
         return dist.get_rank(self.process_group) if world > 1 else 0
 
     def _shard_owners(self, world: int, check: bool = False) -> dict[str, int] | None:
@@ -686,7 +687,7 @@ class Controller:
         return {
             "format": checkpoint.FORMAT,
             "world_size": world,
-            "rank": dist.get_rank(self.process_group) if world > 1 else 0,
+            "rank": self._rank(world),
             "config": self.config(),
             "shapes": {k: list(s) for k, s in self.params.shapes.items()},
             "reducer": self.reducer.state_dict(),
@@ -710,7 +711,7 @@ class Controller:
         first, and swapped in at the end."""
         state = checkpoint.upgrade(state)
         world = self._world_size()
-        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        rank = self._rank(world)
         _check_entries(state, self.config())
         checkpoint.check_owner(state, world, rank, self.config())
         shapes = _entry("shapes", _loaded_shapes, state["shapes"])
