@@ -4,6 +4,10 @@
 with the code of commit 5847b17: for each interval unit, a format-1 checkpoint after 5
 calls, the weights then, and what 4 more calls of that code gave (levels, statistics,
 error-feedback memory).
+
+That fixture was written on another CPU, whose kernels may round differently: the levels,
+decisions and counters must be the same, the tensors and norms only up to rounding (the
+fixture's script asserts that no decision came from a ratio near the threshold).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from torch import nn
 
 from accordion.ddp import AccordionState
 from accordion.policy import PaperRule
+from numerics import assert_equal_up_to_rounding, rounding_tolerance
 
 FIXTURE = Path(__file__).parent / "data" / "accordion-format1.pt"
+#: Rounded terms behind a value of the fixture: 4 steps of reductions over at most 16.
+TERMS = 4 * 16
 
 
 def make_net() -> nn.Module:
@@ -46,21 +53,41 @@ def _resumed(unit: str):
     return state, saved["after"]
 
 
+def _assert_same_checks(got: list, want: list) -> None:
+    """The same checks with the same decisions; norms and ratios up to rounding."""
+    tol = rounding_tolerance(torch.float32, TERMS)
+    assert [(c["epoch"], c["lr_will_decay"]) for c in got] == [
+        (c["epoch"], c["lr_will_decay"]) for c in want
+    ]
+    for check, expected in zip(got, want):
+        assert check.keys() == expected.keys()
+        assert check["layers"].keys() == expected["layers"].keys()
+        for name, layer in check["layers"].items():
+            old = expected["layers"][name]
+            assert layer["critical"] == old["critical"], (check["epoch"], name)
+            for field in ("old_norm", "new_norm", "ratio"):  # None: none yet, or infinite
+                want = old[field] if old[field] is None else pytest.approx(old[field], rel=tol)
+                assert layer[field] == want, (field, name)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("unit", ["epoch", "step"])
 def test_a_format_1_checkpoint_resumes_with_the_levels_and_checks_the_old_code_reached(unit):
     state, after = _resumed(unit)
     assert state.levels() == after["levels"]
     stats = state.stats()
-    assert stats["checks"] == after["stats"]["checks"]
-    assert stats["layers"] == after["stats"]["layers"]
+    _assert_same_checks(stats["checks"], after["stats"]["checks"])
+    assert stats["layers"] == after["stats"]["layers"]  # levels, shapes and sent counts
     assert (stats["epoch"], stats["step"]) == (after["stats"]["epoch"], after["stats"]["step"])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("unit", ["epoch", "step"])
 def test_a_format_1_checkpoint_resumes_with_the_same_error_feedback_memory(unit):
     state, after = _resumed(unit)
+    assert state.reducer.memory.keys() == after["memory"].keys()
     for key, memory in after["memory"].items():
-        assert torch.equal(state.reducer.memory.get(key), memory), key
+        assert_equal_up_to_rounding(state.reducer.memory.get(key), memory, terms=TERMS, msg=key)
 
 
 def test_a_format_1_checkpoint_of_another_configuration_is_refused():

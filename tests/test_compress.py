@@ -24,6 +24,7 @@ from accordion.compress import (
     make_compressor,
     orthogonalize_,
 )
+from numerics import assert_equal_up_to_rounding
 
 
 def sent_p(phase, n):
@@ -62,6 +63,7 @@ def test_powersgd_reproduces_a_low_rank_average_of_simulated_workers(rank):
                 assert torch.linalg.norm(g[0] - average) / torch.linalg.norm(average) < 1e-4
 
 
+@pytest.mark.numerics
 def test_powersgd_batches_same_shape_tensors_without_changing_results():
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(16, 3, 3, 3, generator=gen) for _ in range(3)]
@@ -356,9 +358,12 @@ def test_non_finite_gradient_warns_and_resets_the_memory_to_zero(name, level):
     assert torch.isfinite(grads[0][0]).all()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
 def test_after_a_non_finite_step_error_feedback_restarts_as_from_zero(name, level):
-    # the step after an overflow must be exactly the first step of a fresh reducer
+    # the step after an overflow must be the first step of a fresh reducer; up to rounding,
+    # since the reset reducer reuses its buffers where the fresh one allocates (the kernels
+    # MKL picks depend on alignment)
     reducers = [Reducer(make_compressor(name, level)) for _ in range(2)]
     fresh = [Reducer(make_compressor(name, level)) for _ in range(2)]
     run_workers(reducers, ["w"], [[torch.randn(6, 6)], [torch.randn(6, 6)]])
@@ -372,9 +377,9 @@ def test_after_a_non_finite_step_error_feedback_restarts_as_from_zero(name, leve
     run_workers(reducers, ["w"], after)
     run_workers(fresh, ["w"], reference)
     for got, want in zip(after, reference):
-        assert torch.equal(got[0], want[0])
+        assert_equal_up_to_rounding(got[0], want[0], terms=6)
     for r, f in zip(reducers, fresh):
-        assert torch.equal(r.memory.get("w"), f.memory.get("w"))
+        assert_equal_up_to_rounding(r.memory.get("w"), f.memory.get("w"), terms=6)
         assert r.non_finite_steps == 1
 
 
@@ -398,9 +403,11 @@ def test_the_memory_is_compensated_in_place_in_one_buffer_per_set_of_keys():
         assert storage[1] == sum(m.numel() * 4 for m in memories)
 
 
+@pytest.mark.numerics
 def test_the_reducer_matches_hand_written_error_feedback_over_several_steps():
     # the reducer lays inputs out in reused buffers and writes averages in place; the
-    # numbers must be those of the plain recipe: M = g + e, compress M, e = M - sent
+    # numbers must be those of the plain recipe: M = g + e, compress M, e = M - sent (up
+    # to rounding: another layout in memory may get another BLAS kernel)
     torch.manual_seed(0)
     keys = ["a", "bias", "b", "c"]
     shapes = [(8, 6), (8,), (8, 6), (4, 3, 2)]
@@ -417,10 +424,12 @@ def test_the_reducer_matches_hand_written_error_feedback_over_several_steps():
             memory[k] = residual.clone()
         SimulatedTransport(1).run([reducer.exchange(keys, grads, 1)])
         for k, got, want in zip(keys, grads, expected):
-            assert torch.equal(got, want), (step, k)
+            assert_equal_up_to_rounding(got, want, terms=4 * 8, msg=f"step {step}, {k}")
 
 
+@pytest.mark.numerics
 def test_powersgd_writes_averages_into_out_with_the_same_numbers():
+    # the same numbers up to rounding: a preallocated out may get another BLAS kernel
     torch.manual_seed(1)
     inputs = [torch.randn(8, 6), torch.randn(8, 6), torch.randn(5, 7)]
     plain, into = PowerSGD(2), PowerSGD(2)
@@ -429,8 +438,8 @@ def test_powersgd_writes_averages_into_out_with_the_same_numbers():
     (got,) = SimulatedTransport(1).run([into.exchange("abc", [t.clone() for t in inputs], 1, out)])
     for (want_avg, want_res), (avg, res), o in zip(expected, got, out):
         assert avg is o
-        assert torch.equal(avg, want_avg)
-        assert torch.equal(res, want_res)
+        assert_equal_up_to_rounding(avg, want_avg, terms=8)
+        assert_equal_up_to_rounding(res, want_res, terms=8)
 
 
 # --- Transport and accounting ----------------------------------------------------------
@@ -553,10 +562,12 @@ def test_rebuilt_sets_of_keys_keep_using_the_buffer_their_memory_lives_in():
     assert {k: reducer.memory.get(k).data_ptr() for k in "abc"} == first
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name,level", [("powersgd", 2), ("powersgd1", 2), ("topk", 0.3)])
 def test_ranks_whose_memories_lie_in_other_orders_still_exchange_alike(name, level):
     # the order of the tensors in a collective must not follow addresses, which differ
-    # between ranks (after a checkpoint is loaded, say)
+    # between ranks (after a checkpoint is loaded, say); a pairing gone wrong mixes
+    # tensors, far beyond the rounding that another layout in memory may change
     gen = torch.Generator().manual_seed(3)
     memories = [{k: torch.randn(8, 6, generator=gen) for k in "ab"} for _ in range(2)]
     grads = [[torch.randn(8, 6, generator=gen) for _ in "ab"] for _ in range(2)]
@@ -575,7 +586,7 @@ def test_ranks_whose_memories_lie_in_other_orders_still_exchange_alike(name, lev
     run_workers(apart, list("ab"), want)
     for g, w in zip(got, want):
         for a, b in zip(g, w):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            assert_equal_up_to_rounding(a, b, terms=8)
 
 
 def test_keys_move_out_of_a_buffer_that_holds_a_memory_no_more_so_that_it_is_freed():

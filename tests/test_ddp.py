@@ -66,6 +66,8 @@ def _dense_matches_ddp(rank, world_size):
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     train(hooked, opt_h, rank, 6)
     train(plain, opt_p, rank, 6)
+    # bitwise: both divide the same buffer by the world size and sum it in one gloo
+    # all-reduce, the same operations in the same order on the same machine
     for a, b in zip(params_of(net_hook), params_of(net_plain)):
         assert torch.equal(a, b), (a - b).abs().max()
 
@@ -92,7 +94,7 @@ def _all_1d_matches_ddp(rank, world_size):
     train(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), rank, 4)
     train(plain, torch.optim.SGD(plain.parameters(), lr=0.1), rank, 4)
     for a, b in zip(params_of(net_hook), params_of(net_plain)):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b)  # bitwise: the same division and all-reduce as DDP's
 
 
 def test_a_model_of_only_1d_parameters_is_averaged_dense_like_plain_ddp():
@@ -364,6 +366,8 @@ def _all_dense_matches_ddp(rank, world_size):
         train(hooked, opt_h, rank, 3, start=3 * epoch)
         train(plain, opt_p, rank, 3, start=3 * epoch)
         state.end_epoch(next_lr=0.1)
+    # bitwise: both divide the same buffer by the world size and sum it in one gloo
+    # all-reduce, the same operations in the same order on the same machine
     for a, b in zip(params_of(net_hook), params_of(net_plain)):
         assert torch.equal(a, b), (a - b).abs().max()
 
