@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from accordion.accounting import Ledger, paper_floats, wire_bytes
+from accordion.compress import PowerSGD
 from accordion.models import get_model
 
 WORKERS = 4
@@ -78,12 +79,17 @@ def test_powersgd_floats_do_not_depend_on_world_size() -> None:
 
 
 def test_powersgd_rank_is_clamped_to_min_of_n_and_m() -> None:
-    # [64, 27] at rank 100: r' = 27 -> (64 + 27) * 27
-    assert paper_floats([64, 3, 3, 3], "powersgd", 100, WORKERS) == 2_457
+    # The compressor's formula: [64, 27] at rank 100: r' = 27 -> (64 + 27) * 27
+    assert PowerSGD.paper_floats((64, 3, 3, 3), 100, WORKERS) == 2_457
     # [10, 512] at rank 20: r' = n = 10 -> (10 + 512) * 10
-    assert paper_floats([10, 512], "powersgd", 20, WORKERS) == 5_220
+    assert PowerSGD.paper_floats((10, 512), 20, WORKERS) == 5_220
     # [512, 4] (tall) at rank 8: r' = m = 4 -> (512 + 4) * 4
-    assert paper_floats([512, 4], "powersgd", 8, WORKERS) == 2_064
+    assert PowerSGD.paper_floats((512, 4), 8, WORKERS) == 2_064
+    # A clamped rank never pays ((n + m) min(n, m) >= n m), so the hook sends these
+    # tensors dense and the accounting charges their numel: 1728, 5120 and 2048.
+    assert paper_floats([64, 3, 3, 3], "powersgd", 100, WORKERS) == 1_728
+    assert paper_floats([10, 512], "powersgd", 20, WORKERS) == 5_120
+    assert paper_floats([512, 4], "powersgd", 8, WORKERS) == 2_048
 
 
 def test_topk_tensor_costs_twice_floor_k_numel_times_workers() -> None:

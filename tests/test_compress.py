@@ -32,6 +32,12 @@ def sent_p(phase, n):
     return phase[0].tensor.view(-1, n).t()
 
 
+def compress_once(comp, key, tensor):
+    """One step of the compressor itself, one worker: the reducer would send a small
+    matrix dense at a rank that does not pay for it (``Compressor.pays``)."""
+    SimulatedTransport(1).run([comp.exchange([key], [tensor], 1)])
+
+
 def run_workers(reducers, keys, grads_per_worker):
     """One step of simulated workers; grads are replaced in place by the averages."""
     world = SimulatedTransport(len(reducers))
@@ -93,8 +99,7 @@ def test_powersgd_initial_q_keeps_its_leading_columns_across_ranks():
 
 def test_powersgd_redraw_policy_redraws_q_from_the_shared_seed_at_a_rank_change():
     comp = PowerSGD(4, on_rank_change="redraw")
-    reducer = Reducer(comp)
-    run_workers([reducer], ["w"], [[torch.randn(8, 6)]])
+    compress_once(comp, "w", torch.randn(8, 6))
     assert comp._q["w"].shape == (6, 4)
     comp.set_level(2, keys=["w"])
     m = torch.randn(8, 6)
@@ -108,7 +113,7 @@ def test_powersgd_redraw_policy_redraws_q_from_the_shared_seed_at_a_rank_change(
 
 def test_powersgd_reuses_leading_q_columns_by_default_when_the_rank_shrinks():
     comp = PowerSGD(4)
-    run_workers([Reducer(comp)], ["w"], [[torch.randn(8, 6)]])
+    compress_once(comp, "w", torch.randn(8, 6))
     q4 = comp._q["w"].clone()
     comp.set_level(1)
     m = torch.randn(8, 6)
@@ -118,7 +123,7 @@ def test_powersgd_reuses_leading_q_columns_by_default_when_the_rank_shrinks():
 
 def test_powersgd_reuse_policy_appends_seed_columns_when_the_rank_grows():
     comp = PowerSGD(1, on_rank_change="reuse")
-    run_workers([Reducer(comp)], ["w"], [[torch.randn(8, 6)]])
+    compress_once(comp, "w", torch.randn(8, 6))
     q1 = comp._q["w"].clone()
     comp.set_level(3)
     m = torch.randn(8, 6)
@@ -135,9 +140,7 @@ def test_powersgd_rejects_an_unknown_rank_change_policy():
 
 def test_powersgd_rank_is_clamped_to_the_matrix_shape():
     comp = PowerSGD(8)
-    reducer = Reducer(comp)
-    grads = [torch.randn(3, 5)]
-    run_workers([reducer], ["w"], [grads])
+    compress_once(comp, "w", torch.randn(3, 5))
     assert comp._q["w"].shape == (5, 3)
 
 
@@ -472,7 +475,7 @@ def test_simulated_transport_rejects_workers_that_disagree_on_shapes():
 def test_powersgd_and_memory_state_round_trip_through_weights_only_load(tmp_path):
     comp = PowerSGD(2)
     reducer = Reducer(comp)
-    run_workers([reducer], ["w", 3], [[torch.randn(6, 5), torch.randn(4, 4)]])
+    run_workers([reducer], ["w", 3], [[torch.randn(12, 10), torch.randn(8, 8)]])
     path = tmp_path / "state.pt"
     torch.save({"c": comp.state_dict(), "m": reducer.memory.state_dict()}, path)
     loaded = torch.load(path, weights_only=True)

@@ -84,6 +84,62 @@ def test_register_refuses_a_ddp_built_for_compiled_autograd_python_reducer():
     run_processes(_register_refuses_python_reducer, 2)
 
 
+def _register_twice(rank, world_size):
+    net = _net()
+    state = AccordionState(net, compressor="powersgd", levels=(2, 1))
+    ddp = state.register(DDP(net))
+    with pytest.raises(ValueError, match="already registered on this DDP module"):
+        state.register(ddp)
+    assert len(ddp._comm_hooks) == 1
+    _step(ddp)  # the first registration stands
+    assert 0 < state.ledger.total_floats < state.dense_floats()
+
+
+def test_registering_the_same_state_twice_says_it_is_already_registered():
+    run_processes(_register_twice, 2)
+
+
+def _register_over_another_hook(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = DDP(_net())
+    ddp.register_comm_hook(None, allreduce_hook)
+    state = AccordionState(compressor="powersgd", levels=(2, 1))
+    with pytest.raises(ValueError, match=r"already has a comm hook \(allreduce_hook\)"):
+        state.register(ddp)
+    assert state.params.module is None  # not bound to a module it does not run on
+
+
+def test_registering_on_a_ddp_module_with_another_hook_names_that_hook():
+    run_processes(_register_over_another_hook, 2)
+
+
+def _register_over_another_state(rank, world_size):
+    net = _net()
+    ddp = AccordionState(net, compressor="powersgd", levels=(2, 1)).register(DDP(net))
+    state = AccordionState(net, compressor="powersgd", levels=(4, 1))
+    with pytest.raises(ValueError, match="accordion_hook with another AccordionState"):
+        state.register(ddp)
+
+
+def test_registering_over_another_accordion_state_says_so():
+    run_processes(_register_over_another_state, 2)
+
+
+def _register_over_a_builtin_hook(rank, world_size):
+    import torch.distributed as dist
+
+    ddp = DDP(_net())
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # not in _comm_hooks
+    state = AccordionState(compressor="powersgd", levels=(2, 1))
+    with pytest.raises(ValueError, match=r"already has a comm hook \(.*ALLREDUCE\)"):
+        state.register(ddp)
+
+
+def test_registering_on_a_ddp_module_with_a_builtin_hook_names_that_hook():
+    run_processes(_register_over_a_builtin_hook, 2)
+
+
 def test_find_ddp_raises_type_error_naming_the_model_when_there_is_no_ddp():
     with pytest.raises(TypeError, match="Sequential"):
         find_ddp(_net())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -289,3 +290,53 @@ def test_missing_accelerate_raises_an_import_error_naming_the_extra(monkeypatch)
     state = AccordionState(nn.Linear(4, 4), "powersgd", levels=(2, 1))
     with pytest.raises(ImportError, match=r"pip install torch-accordion\[integrations\]"):
         acc.register(object(), nn.Linear(4, 4), state)
+
+
+CPU_SCRIPT = os.path.join(os.path.dirname(__file__), "accelerate_cpu_script.py")
+RESULT = "ACCORDION_RESULT "  # the prefix of the script's per-process line
+#: The flags of ``accelerate launch`` for 2 CPU processes (docs/integrations.md); the
+#: defaults named explicitly keep Accelerate quiet, port 0 picks a free one.
+CPU_LAUNCH = (
+    "--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no "
+    "--dynamo_backend no --main_process_port 0".split()
+)
+
+
+def _launch_accelerate(args: list[str], cwd, timeout: float = 120) -> str:
+    """Run ``accelerate launch *args`` in a session of its own (a hang kills its workers
+    too), offline and with its own config folder; return its output."""
+    executable = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if not os.path.isfile(executable):
+        pytest.skip(f"no accelerate command next to {sys.executable}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)  # set by the in-process tests above: the launcher sets its own
+    launch = subprocess.Popen(
+        [executable, "launch", *args],
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        raise
+    assert launch.returncode == 0, output[-3000:]
+    return output
+
+
+def test_accelerate_launch_multi_gpu_with_a_cpu_accelerator_runs_two_compressing_processes(
+    tmp_path,
+):
+    # the command docs/integrations.md gives for CPU: `--cpu --num_processes 2` starts one
+    output = _launch_accelerate([*CPU_LAUNCH, CPU_SCRIPT], tmp_path)
+    lines = [json.loads(m) for m in re.findall(RESULT + r"(\{[^}]*\})", output)]
+    assert sorted(r["rank"] for r in lines) == [0, 1], output[-3000:]
+    for r in lines:
+        assert r["processes"] == 2
+        assert r["steps"] == 4  # 128 samples / 2 ranks / batches of 16
+        assert 0 < r["total_floats"] < r["dense_floats"]  # the hook ran, and compressed

@@ -68,20 +68,24 @@ def test_a_low_rank_average_is_recovered_after_a_few_steps(rank):
 
 
 def test_a_rank_at_the_smaller_side_is_exact_at_the_first_step():
+    # the compressor itself: the reducer would send it dense (a full rank does not pay)
     gen = torch.Generator().manual_seed(0)
-    reducers = [Reducer(OneRoundPowerSGD(6)) for _ in range(3)]
-    grads = [[torch.randn(6, 9, generator=gen)] for _ in range(3)]
-    mean = sum(g[0] for g in grads) / 3
-    run_workers(reducers, ["w"], grads)
-    torch.testing.assert_close(grads[0][0], mean)
+    comps = [OneRoundPowerSGD(6) for _ in range(3)]
+    grads = [torch.randn(6, 9, generator=gen) for _ in range(3)]
+    mean = sum(grads) / 3
+    exchanges = [c.exchange(["w"], [g.clone()], 3) for c, g in zip(comps, grads)]
+    averages = SimulatedTransport(3).run(exchanges)
+    torch.testing.assert_close(averages[0][0][0], mean)
 
 
 def test_a_rank_below_four_warns_at_binding_and_four_does_not():
+    # layers wide enough that rank 4 pays for each (a 4 x 32 one would go dense at it)
+    wide = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 16))
     with pytest.warns(RuntimeWarning, match="rank 1 can lose accuracy"):
-        AccordionState(_Net(), compressor="powersgd1", levels=(4, 1))
+        AccordionState(wide, compressor="powersgd1", levels=(4, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        AccordionState(_Net(), compressor="powersgd1", mild=4, aggressive=4)
+        AccordionState(wide, compressor="powersgd1", mild=4, aggressive=4)
 
 
 def test_an_exchange_asks_for_one_all_reduce_of_powersgds_floats():

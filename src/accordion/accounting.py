@@ -11,6 +11,10 @@ Two measures are kept apart on purpose:
   sends ``2 (W - 1) / W * S`` bytes per worker, an all-gather of ``s`` bytes per
   worker sends ``(W - 1) * s`` bytes per worker.
 
+A tensor is charged as it is really sent: dense when the compressor does not apply to
+its shape, or when its level does not pay for it (sends at least as much as dense:
+``Compressor.pays``, e.g. a 3 x 64 matrix at PowerSGD rank 8 costs 192 floats, not 201).
+
 Everything here is pure arithmetic on shapes: no tensors, no ``torch.distributed``.
 """
 
@@ -53,21 +57,24 @@ def is_compressible(shape: Sequence[int]) -> bool:
     return len(shape) >= 2
 
 
-def effective_kind(shape: Sequence[int], kind: str) -> str:
+def effective_kind(shape: Sequence[int], kind: str, level: Any = None) -> str:
     """The compressor a tensor is really sent with: ``kind`` when it applies to the
-    shape, else ``"dense"``. An unregistered ``kind`` is a ``ValueError``."""
-    return sent_as(shape, kind).name
+    shape (and, given a ``level`` other than ``None``, when that level pays for it:
+    ``Compressor.pays``), else ``"dense"``. An unregistered ``kind`` is a ``ValueError``."""
+    return (sent_as(shape, kind) if level is None else sent_as(shape, kind, level)).name
 
 
 def paper_floats(shape: Sequence[int], kind: str, level: Any, world_size: int) -> int:
     """Floats one worker sends for one tensor in one step, in the paper's convention.
 
     ``level`` is the compressor's level (PowerSGD rank, top-k fraction, ...); it is
-    ignored for ``kind="dense"`` and for tensors the compressor does not apply to.
+    ignored for ``kind="dense"`` and for tensors the compressor does not apply to. A
+    tensor whose level does not pay for it (``Compressor.pays``) costs its dense
+    ``numel`` floats: the hook sends it dense.
     """
     dims = check_shape(shape)
     check_world_size(world_size)
-    return sent_as(dims, kind).paper_floats(dims, level, world_size)
+    return sent_as(dims, kind, level).paper_floats(dims, level, world_size)
 
 
 def wire_bytes(
@@ -76,11 +83,12 @@ def wire_bytes(
     """Bytes one worker puts on the wire for one tensor in one step (ring collectives).
 
     ``element_size`` is the size in bytes of one gradient element (4 for fp32, 2 for
-    fp16/bf16). A single worker sends nothing.
+    fp16/bf16). A single worker sends nothing. A tensor whose level does not pay for
+    it costs its dense bytes, as :func:`paper_floats` says.
     """
     dims = check_shape(shape)
     check_world_size(world_size)
-    return sent_as(dims, kind).wire_bytes(dims, level, world_size, element_size)
+    return sent_as(dims, kind, level).wire_bytes(dims, level, world_size, element_size)
 
 
 @dataclass

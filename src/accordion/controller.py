@@ -127,6 +127,7 @@ class Controller:
         self._decayed = False  # a decay since the last check (Observation.decayed)
         self._observed = False  # a gradient reached observe() since the last end_*()
         self._warned_idle = False  # the "hook never ran" warning is given once
+        self._warned_no_lr = False  # the "decays cannot be seen" warning is given once
         self._levels_checked = False  # levels that compress nothing are warned of once
         self._rungs: dict[str, int] = {}  # the decision in force, per layer
         self.sums = GradientSums()
@@ -201,15 +202,33 @@ class Controller:
             self._warn_of_useless_levels()
 
     def _warn_of_useless_levels(self) -> None:
-        """Warn (once) of a ladder level that compresses no layer of the bound model, e.g.
-        a PowerSGD rank that sends more than dense for every one (see ``level_warning``)."""
+        """Warn (once, in one ``RuntimeWarning``) of the layers that go dense at some
+        ladder level because it would send at least as much as dense for them
+        (``Compressor.pays``), naming them and those levels, and of the compressor's own
+        advice on a level (``level_warning``: e.g. a PowerSGD rank that sends more than
+        dense for every layer, so choose a lower rank)."""
         self._levels_checked = True
-        shapes = [self.params.shapes[k] for k in self._compressed_keys()]
-        for level in dict.fromkeys(self.ladder.levels):
-            message = self.ladder.compressor.level_warning(shapes, level)
+        cls, levels = self.ladder.compressor, list(dict.fromkeys(self.ladder.levels))
+        shapes = {k: self.params.shapes[k] for k in self._compressed_keys()}
+        dense_at = {k: [lv for lv in levels if not self.reducer.pays(s, lv)]
+                    for k, s in shapes.items()}  # fmt: skip
+        dense_at = {k: lv for k, lv in dense_at.items() if lv}
+        parts = []
+        if dense_at:
+            named = []
+            for key, dense_levels in dense_at.items():
+                size = "x".join(map(str, shapes[key]))
+                named.append(f"{key!r} ({size}) at {' and '.join(map(cls.label, dense_levels))}")
+            more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+            parts.append(f"{len(named)} layer(s) send at least as much as dense at some levels "
+                         f"and go dense there: {', '.join(named[:5])}{more}")  # fmt: skip
+        for level in levels:
+            message = cls.level_warning(list(shapes.values()), level)
             if message:
-                warnings.warn(f"{message} (levels {list(self.ladder.levels)})",
-                              RuntimeWarning, stacklevel=4)  # fmt: skip
+                parts.append(message)
+        if parts:
+            warnings.warn(f"{'; '.join(parts)} (levels {list(self.ladder.levels)})",
+                          RuntimeWarning, stacklevel=4)  # fmt: skip
 
     def _world_size(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
@@ -258,6 +277,8 @@ class Controller:
             self.ledger.add(key, *self._cost(key, grad, world))
 
     def _cost(self, key: str, grad: torch.Tensor, world: int) -> tuple[int, float]:
+        """Paper floats and wire bytes of ``key`` this step, cached per level: dense for a
+        dense key, or at a level that does not pay for its shape (the accounting's rule)."""
         dense = key in self.reducer.dense_keys
         level = None if dense else self.reducer.compressor.level(key)
         cost = self._costs.get((key, level, world))
@@ -270,7 +291,9 @@ class Controller:
         return cost
 
     def _compressed_keys(self) -> list[str]:
-        """Keys that go through the compressor (it applies to them and they are not dense)."""
+        """Keys that have a level (the compressor applies to them and they are not in
+        ``dense_keys``): the rule decides their rung, even for one whose level does not
+        pay for its shape and so sends it dense (``Compressor.pays``)."""
         applies, dense = self.reducer.compressor.applies_to, self.reducer.dense_keys
         return [k for k, s in self.params.shapes.items() if applies(s) and k not in dense]
 
@@ -382,6 +405,7 @@ class Controller:
         counter = ("epoch", self.epoch)
         decay = self._agreed_decay("end_epoch", counter, optimizer, next_lr, lr_will_decay)
         self._warn_if_idle("end_epoch")
+        self._warn_if_blind("end_epoch", optimizer, next_lr, lr_will_decay)
         if not self.adaptive or not self._compressed_keys():  # nothing has a level to pick
             self.epoch += 1
             return {}
@@ -414,6 +438,7 @@ class Controller:
         counter = ("step", self.step)
         decay = self._agreed_decay("end_step", counter, optimizer, next_lr, lr_will_decay)
         self._warn_if_idle("end_step")
+        self._warn_if_blind("end_step", optimizer, next_lr, lr_will_decay)
         self.step += 1
         if not self.adaptive or not self._compressed_keys():
             return None
@@ -441,6 +466,25 @@ class Controller:
                 stacklevel=3,
             )
         self._observed = False
+
+    def _warn_if_blind(self, call: str, optimizer: Any, next_lr: Any, lr_will_decay: Any) -> None:
+        """Warn once when an adaptive state's ``call`` gets no learning rate: the decays
+        that make every layer critical (and open the guarded rule's last rung) go unseen."""
+        given = (optimizer, next_lr, lr_will_decay)
+        if self._warned_no_lr or not self.adaptive or any(g is not None for g in given):
+            return
+        self._warned_no_lr = True
+        waits = getattr(self.rule, "wait_for_decay", False)  # the guarded rule's
+        warnings.warn(
+            f"{call} was called without optimizer, next_lr= or lr_will_decay=, so Accordion "
+            "cannot detect learning-rate decays: no decay will make the layers critical"
+            + (", and the guarded rule keeps every layer off the last rung of the ladder "
+               "until a first decay" if waits else "")
+            + f". Pass the optimizer (state.{call}(optimizer), after scheduler.step()), "
+            "next_lr=<the rate the next period trains with> or lr_will_decay=<bool>",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _check(self, index: int, decay: bool, period: str) -> None:
         """One decision of the rule, from statistics agreed by every rank."""
@@ -606,7 +650,9 @@ class Controller:
 
     def levels(self) -> dict[str, Any]:
         """The level each bound parameter that the compressor applies to will use at the
-        next step (``None`` for those the cost model sends dense)."""
+        next step (``None`` for those the cost model sends dense). A level that does not
+        pay for the parameter's shape (``Compressor.pays``) sends it dense: the ledger and
+        ``stats()`` count its dense floats."""
         comp, dense = self.reducer.compressor, self.reducer.dense_keys
         return {
             k: None if k in dense else comp.level(k)
@@ -700,6 +746,9 @@ class Controller:
             "last_lr": self._decay.last_lr,
             "decay_reference": self._decay.reference,
             "decayed": self._decayed,
+            # a checkpoint taken mid-period (Lightning's, before the callback's end_epoch)
+            # resumes knowing that gradients came through: no false idle warning
+            "observed": self._observed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -725,7 +774,8 @@ class Controller:
             raise
         self.reducer, self.sums, self.ledger, self._rungs, counters = parts
         self._owners = None  # "sharded": dealt out again, dropping sums it does not own
-        self.epoch, self.step, self._decay.last_lr, self._decay.reference, self._decayed = counters
+        (self.epoch, self.step, self._decay.last_lr, self._decay.reference, self._decayed,
+         self._observed) = counters  # fmt: skip
         self._costs.clear()
 
     def _loaded_parts(self, state: Mapping[str, Any], shapes: Mapping[str, tuple]) -> tuple:
@@ -745,6 +795,9 @@ class Controller:
             _entry("step", check_int, "the checkpoint's step", state["step"], 0),
             *rates,
             _entry("decayed", check_bool, "the checkpoint's decayed", state.get("decayed", False)),
+            # absent from older files: True, so that an unknown past raises no false alarm
+            _entry("observed", check_bool, "the checkpoint's observed",
+                   state.get("observed", True)),  # fmt: skip
         )
         return reducer, sums, ledger, rungs, counters
 
@@ -807,10 +860,10 @@ class Controller:
 
 
 #: The top-level entries of :meth:`Controller.state_dict` (files written before the
-#: guarded rule lack the last two).
+#: guarded rule lack the last three, those before the idle flag was saved the last one).
 _ENTRIES = frozenset(
     "format world_size rank config shapes reducer accumulators rule rungs ledger epoch step "
-    "last_lr decay_reference decayed".split()
+    "last_lr decay_reference decayed observed".split()
 )
 
 

@@ -62,10 +62,17 @@ class AccordionState(Controller):
         without a module is bound to the DDP module; a bound state must own every
         parameter DDP averages, else ``ValueError`` (the hook would compress another
         model's gradients with this one's state).
+
+        DDP takes one comm hook, registered once. A DDP module that has one already is a
+        ``ValueError``: naming the hook, or, for this state's own hook, saying that it is
+        registered already (an error, not a no-op: two code paths each registering the
+        hook, e.g. an integration and a hand-written call, would also duplicate what
+        they set up around it). Nothing is changed when it raises.
         """
         ddp = find_ddp(model)
         if getattr(ddp, "_use_python_reducer", False):  # private: absent on older torch
             raise ValueError(_PYTHON_REDUCER)
+        _check_no_hook(ddp, self)
         bound = self.params.module
         if bound is None:
             self.bind_module(ddp)
@@ -87,7 +94,7 @@ class AccordionState(Controller):
             self.step += 1
         buffer = bucket.buffer()
         reducer = self.reducer
-        if any(reducer.compresses(g, k) or reducer.memory.get(k) is not None
+        if any(reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
                for k, g in zip(keys, grads)):  # fmt: skip
             exchange = self.exchange(keys, grads, world)
         else:  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
@@ -143,6 +150,43 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel:
         f"Accelerate), got {type(model).__name__}: wrap it in DDP first, or let the "
         "framework do it and register from its callback (accordion.integrations)"
     )
+
+
+def _check_no_hook(ddp: DistributedDataParallel, state: "AccordionState") -> None:
+    """Raise ``ValueError`` when ``ddp`` has a comm hook already (torch would raise a bare
+    ``RuntimeError`` "... can only be called once"), naming it."""
+    hooks = list(getattr(ddp, "_comm_hooks", None) or ())  # private: absent on older torch
+    if any(hook is accordion_hook and st is state for hook, st in hooks):
+        raise ValueError(
+            "this AccordionState is already registered on this DDP module (its hook is "
+            "there): DDP takes one comm hook, registered once, so register it once per "
+            "DDP module"
+        )
+    if hooks:
+        hook, other = hooks[0]
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        if hook is accordion_hook:
+            name += f" with another {type(other).__name__}"
+    else:
+        name = _logged_hook(ddp)  # a built-in hook (C++) is not in _comm_hooks
+    if name:
+        raise ValueError(
+            f"this DDP module already has a comm hook ({name}); DDP takes one. Remove "
+            "the other hook (or build a new DDP module) to use Accordion's"
+        )
+
+
+def _logged_hook(ddp: DistributedDataParallel) -> str | None:
+    """The name of the comm hook DDP's logging data records (built-in ones included),
+    or ``None``; private API, so absent or failing means: not known."""
+    logging_data = getattr(ddp, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return None
+    try:
+        name = logging_data().get("comm_hook")
+    except (AssertionError, RuntimeError, AttributeError):  # no logger, or another torch
+        return None
+    return name or None
 
 
 def _check_owns(bound: nn.Module, ddp: DistributedDataParallel) -> None:

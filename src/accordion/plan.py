@@ -5,7 +5,9 @@ per step and over a run, real bytes per step, the compression ratio and the
 communication time per step predicted by the alpha-beta model. The time assumes the
 gradients travel as one bucket the way our reducer sends it: one all-reduce of all the
 dense tensors, plus for PowerSGD one all-reduce of all P factors and one of all Q
-factors, or for top-k one all-gather of values and one of indices.
+factors, or for top-k one all-gather of values and one of indices. A tensor whose level
+does not pay for it (``Compressor.pays``: it would send at least as much as dense) counts
+dense at that level, as the hook sends it.
 
 :func:`topk_break_even` says where top-k's all-gather stops paying: the density above
 which it puts more bytes on the wire than a dense ring all-reduce (``1/W`` for fp32
@@ -62,7 +64,7 @@ def comm_time_per_step(
     slots = {(m.op, m.slot): 0.0 for m in Dense.messages((0,), None, element_size)}
     for shape in shapes:
         shape = tuple(shape)
-        for message in sent_as(shape, kind).messages(shape, level, element_size):
+        for message in sent_as(shape, kind, level).messages(shape, level, element_size):
             key = (message.op, message.slot)
             slots[key] = slots.get(key, 0) + message.nbytes
     time = 0.0
@@ -139,7 +141,8 @@ def layer_plan(
     element_size: int = 4,
 ) -> list[LayerRow]:
     """Per-tensor bytes and transfer times (s, at ``bandwidth`` bytes/s) for dense and
-    each of ``levels``; tensors the compressor does not apply to are dense at every level."""
+    each of ``levels``; tensors the compressor does not apply to are dense at every level,
+    and a tensor is dense at a level that does not pay for it."""
     check_world_size(world_size)
     _compressing(compressor)
     rows = []

@@ -17,9 +17,11 @@ in ``memory.py``.
 A compressor class also *describes itself*, so that nothing else branches on its name:
 its ``name``, how a level is parsed, validated, ordered and labelled, which tensors it
 applies to (``applies_to``), and what one tensor costs at a level, in the paper's floats
-(``paper_floats``) and in messages on the wire (``messages``). Registering the class
-(:func:`register`) makes it available to the hook, the accounting, the plan, the command
-line and the harness by its name.
+(``paper_floats``) and in messages on the wire (``messages``), and whether a level pays
+for a shape at all (``pays``: it must send less than dense; a tensor at a level that does
+not pay is averaged dense while it stays there). Registering the class (:func:`register`)
+makes it available to the hook, the accounting, the plan, the command line and the
+harness by its name.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from .transport import AllReduce, Exchange
 from .wire import Message, ring_bytes
 
 Result = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+#: Bytes per element at which :meth:`Compressor.pays` compares a level with dense: fp32,
+#: what gradients are kept in (under AMP too), so the decision never depends on a dtype.
+REFERENCE_ELEMENT_SIZE = 4
 
 
 def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -123,9 +130,31 @@ class Compressor(ABC):
         return len(shape) >= 2
 
     @classmethod
+    def pays(cls, shape: Sequence[int], level: Any) -> bool:
+        """Whether ``level`` sends less than dense for a tensor of ``shape`` that the
+        compressor applies to; where it does not, the tensor is averaged dense at that
+        level (the reducer, the accounting and the plan all say so).
+
+        Compares the bytes one worker hands its collectives (:meth:`messages`, before the
+        ring factor) with the dense tensor's, both at :data:`REFERENCE_ELEMENT_SIZE`
+        bytes per element: bytes, since the paper's floats do not see a float's width
+        (half precision) and count top-k's indices only as floats; before the ring
+        factor, since it must be a pure function of ``(shape, level)``, the same on every
+        rank, at every world size and in the plan (top-k's all-gather grows with the
+        workers besides: see :func:`accordion.plan.topk_break_even`). An empty tensor
+        sends nothing either way: it pays. Override it for another rule (top-k does:
+        a fraction is a choice of level, the same share of every tensor).
+        """
+        dims = check_shape(shape)
+        numel = math.prod(dims)
+        sent = sum(m.nbytes for m in cls.messages(dims, level, REFERENCE_ELEMENT_SIZE))
+        return numel == 0 or sent < numel * REFERENCE_ELEMENT_SIZE
+
+    @classmethod
     def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
         """Why ``level`` would be pointless for a model whose compressed tensors have
-        ``shapes`` (e.g. it sends more than dense for every one), or ``None``."""
+        ``shapes`` (e.g. it sends more than dense for every one), or ``None``. The
+        controller lists the tensors that go dense at a level (:meth:`pays`) itself."""
         return None
 
     @classmethod
@@ -272,11 +301,18 @@ def compressor_class(name: str) -> type[Compressor]:
     return cls
 
 
-def sent_as(shape: Sequence[int], name: str) -> type[Compressor]:
+#: ``sent_as``'s default: no level given, only ``applies_to`` decides.
+_ANY_LEVEL: Any = object()
+
+
+def sent_as(shape: Sequence[int], name: str, level: Any = _ANY_LEVEL) -> type[Compressor]:
     """The class that really sends a tensor of ``shape`` under compressor ``name``:
-    the compressor when it applies to the shape, else :class:`Dense`."""
+    the compressor when it applies to the shape (and, given ``level``, when that level
+    pays for it: :meth:`Compressor.pays`), else :class:`Dense`."""
     cls = compressor_class(name)
-    return cls if cls.applies_to(shape) else Dense
+    if not cls.applies_to(shape):
+        return Dense
+    return cls if level is _ANY_LEVEL or cls.pays(shape, level) else Dense
 
 
 @register

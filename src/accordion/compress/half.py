@@ -38,6 +38,8 @@ class HalfPrecision(Compressor):
     error feedback sends it with the next step; the rounding of the sum inside the
     all-reduce is not fed back (no worker sees it alone). It applies to every tensor,
     biases and scalars included: 2 bytes per element, whatever the gradient's own dtype.
+    It pays for every tensor (:meth:`Compressor.pays` compares bytes at fp32's 4), so no
+    level sends a tensor dense.
 
     fp16 keeps 11 significant bits but saturates at 65504: a ``|M / W|`` beyond it
     becomes inf, which the :class:`Reducer` reports as a non-finite step (memory left

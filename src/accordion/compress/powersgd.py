@@ -102,6 +102,10 @@ class PowerSGD(Compressor):
     memory is kept. A Q column that became exactly zero (a zero
     gradient) is redrawn too, so that compression does not stall at zero forever.
 
+    A tensor for which its rank sends at least as much as dense (``(n + m) r' >= n m``,
+    e.g. a 3 x 64 matrix at rank 8: 201 floats against 192) is averaged dense by the
+    :class:`Reducer` while it stays at that rank (:meth:`Compressor.pays`).
+
     Args:
         rank: default rank, an int >= 1.
         seed: seed shared by all workers for the initial Q factors.
@@ -147,13 +151,13 @@ class PowerSGD(Compressor):
     @classmethod
     def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
         """A warning when rank ``level`` sends at least as much as dense (``(n + m) r' >=
-        n m``) for every one of ``shapes``: it compresses nothing, and costs more."""
+        n m``, see :meth:`pays`) for every one of ``shapes``: every tensor goes dense at
+        that rank, so it compresses nothing."""
         rank = check_rank(level)
         shapes = [s for s in shapes if cls.applies_to(s)]
-        sizes = [(matrix_shape(s), powersgd_rank(s, rank)) for s in shapes]
-        if not sizes or any((n + m) * r < n * m for (n, m), r in sizes):
+        if not shapes or any(cls.pays(s, rank) for s in shapes):
             return None
-        widest = max(min(n, m) for (n, m), _ in sizes)
+        widest = max(min(matrix_shape(s)) for s in shapes)
         return (
             f"PowerSGD rank {rank} sends at least as much as dense for every compressed "
             f"tensor of this model (their largest smaller side is {widest}; a rank r saves "

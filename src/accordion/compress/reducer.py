@@ -22,6 +22,12 @@ class Reducer:
     """Averages gradients over workers: the tensors ``compressor`` applies to (PowerSGD and
     top-k: those with >= 2 dimensions) through it with error feedback, the others dense.
 
+    A tensor whose level does not pay for its shape (:meth:`Compressor.pays`: it would
+    send at least as much as dense, e.g. a 3 x 64 matrix at PowerSGD rank 8) is averaged
+    dense while it keeps that level, and compressed again once its level pays; what its
+    memory owes goes with its first dense step. The decision is a pure function of
+    ``(shape, level)``, so every rank makes the same, and it is cached.
+
     ``exchange(keys, grads, world_size)`` is an exchange for a transport (see
     ``transport.py``). **It changes its input**: each gradient is replaced in place by its
     averaged (compressed) estimate; the compression error goes to ``memory``.
@@ -63,12 +69,32 @@ class Reducer:
         # every rank), which is the order its memory lies in
         self._slots: dict[Hashable, int] = {}
         self._next_slot = 0
+        # per (shape, level): whether the level pays for the shape (Compressor.pays)
+        self._paying: dict[tuple[tuple[int, ...], Any], bool] = {}
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
-        """Whether ``grad`` (of ``key``) goes through the compressor (rather than dense)."""
+        """Whether ``grad`` (of ``key``) is the compressor's: it applies to the shape and
+        the key is not in :attr:`dense_keys`, so the tensor has a level (which a rule may
+        choose). At a level that does not pay for its shape it is still sent dense
+        (:meth:`sends_compressed`)."""
         return self.compressor.applies_to(grad.shape) and (
             key is None or key not in self.dense_keys
         )
+
+    def sends_compressed(self, grad: torch.Tensor, key: Hashable = None) -> bool:
+        """Whether the next exchange sends ``grad`` (of ``key``) through the compressor:
+        :meth:`compresses` it, and its level (``compressor.level(key)``) pays for its
+        shape; otherwise it is averaged dense."""
+        return self.compresses(grad, key) and self.pays(grad.shape, self.compressor.level(key))
+
+    def pays(self, shape: Sequence[int], level: Any) -> bool:
+        """``compressor.pays(shape, level)``, cached per ``(shape, level)``."""
+        # torch.Size is a tuple: the step's lookup builds no new one
+        entry = (shape if isinstance(shape, tuple) else tuple(shape), level)
+        paying = self._paying.get(entry)
+        if paying is None:
+            paying = self._paying[entry] = self.compressor.pays(entry[0], level)
+        return paying
 
     def set_dense(self, keys: Iterable[Hashable]) -> None:
         """Send ``keys`` dense from the next exchange on (and no others).
@@ -155,7 +181,8 @@ class Reducer:
         # One exchange per (kind, dtype, device): a collective carries a single dtype.
         parts: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
         for i, g in enumerate(grads):
-            parts.setdefault((self.compresses(g, keys[i]), g.dtype, g.device), []).append(i)
+            compressed = self.sends_compressed(g, keys[i])
+            parts.setdefault((compressed, g.dtype, g.device), []).append(i)
         exchanges, order = [], []
         owed: list[Hashable] = []
         for (compressed, _, _), ix in parts.items():
@@ -182,7 +209,8 @@ class Reducer:
         return self.compressor.exchange(part_keys, inputs, world_size, out=targets)
 
     def _dense_part(self, ix, keys, grads, world_size, owed: list[Hashable]) -> Exchange[Any]:
-        # a key newly sent dense still owes its memory: send it now, then forget it
+        # a key newly sent dense (dense_keys, or a level that does not pay) still owes its
+        # memory: send it now, then forget it
         inputs = []
         for i in ix:
             if self.memory.get(keys[i]) is None:

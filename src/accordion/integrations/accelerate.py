@@ -22,7 +22,9 @@ hook types, so the hook goes on the model that ``accelerator.prepare`` returns::
 to ``dir/accordion-rank{r}.pt`` and ``accelerator.load_state(dir)`` read it back. The
 same script runs under ``accelerate launch`` and ``torchrun``, and, with one process
 (nothing to communicate), uncompressed: ``register`` then warns and changes nothing,
-and ``end_step``/``end_epoch`` do nothing.
+and ``end_step``/``end_epoch`` do nothing. On CPU, two processes come from
+``accelerate launch --multi_gpu --num_processes 2 train.py`` with ``Accelerator(cpu=True)``
+in the script (``--cpu --num_processes 2`` starts one; see ``docs/integrations.md``).
 
 Accelerate is imported only by these functions (``pip install torch-accordion[integrations]``).
 """
@@ -119,7 +121,9 @@ def register(accelerator: Any, model: nn.Module, state: AccordionState, *, check
         warnings.warn(
             "one process: Accelerate built no DistributedDataParallel and there is nothing "
             "to communicate, so the Accordion hook is not registered and training runs "
-            "uncompressed (end_step/end_epoch do nothing)",
+            "uncompressed (end_step/end_epoch do nothing). On CPU, `accelerate launch --cpu "
+            "--num_processes 2` starts one process: launch with --multi_gpu and build "
+            "Accelerator(cpu=True)",
             UserWarning,
             stacklevel=2,
         )
@@ -168,6 +172,7 @@ def end_step(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     next_lr: float | None = None,
+    lr_will_decay: bool | None = None,
 ) -> dict[str, bool] | None:
     """Count one optimizer step in ``state`` (``interval_unit="step"``): call it on every
     rank after ``optimizer.step()`` and ``scheduler.step()``, at every batch.
@@ -177,15 +182,16 @@ def end_step(
     is False: DDP's ``no_sync``, the hook did not run), or a step that the gradient scaler
     skipped after an overflow (``accelerator.optimizer_step_was_skipped``). The learning
     rate is read from ``optimizer`` (``AcceleratedOptimizer`` is a ``torch.optim.Optimizer``
-    passing its ``param_groups`` through) unless ``next_lr`` is given; with neither, no
-    decay is detected. Returns ``state.end_step``'s result, or ``None``
-    when the step is not counted or with one process.
+    passing its ``param_groups`` through) unless ``next_lr`` is given, and
+    ``lr_will_decay`` overrides both (as in ``state.end_step``); with none of them no
+    decay is detected, and the state warns once. Returns ``state.end_step``'s result, or
+    ``None`` when the step is not counted or with one process.
     """
     if _skips(accelerator, state):
         return None
     if not accelerator.sync_gradients or accelerator.optimizer_step_was_skipped:
         return None
-    return state.end_step(optimizer, next_lr=next_lr)
+    return state.end_step(optimizer, next_lr=next_lr, lr_will_decay=lr_will_decay)
 
 
 def end_epoch(
@@ -194,13 +200,15 @@ def end_epoch(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     next_lr: float | None = None,
+    lr_will_decay: bool | None = None,
 ) -> dict[str, bool]:
     """End an epoch in ``state`` (``interval_unit="epoch"``): call it on every rank after
-    the epoch's ``scheduler.step()``. Returns ``state.end_epoch``'s result (``{}`` with one
-    process, where the state is not used)."""
+    the epoch's ``scheduler.step()``; the learning rate comes as in :func:`end_step`.
+    Returns ``state.end_epoch``'s result (``{}`` with one process, where the state is not
+    used)."""
     if _skips(accelerator, state):
         return {}
-    return state.end_epoch(optimizer, next_lr=next_lr)
+    return state.end_epoch(optimizer, next_lr=next_lr, lr_will_decay=lr_will_decay)
 
 
 __all__ = [
