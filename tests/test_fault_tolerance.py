@@ -8,6 +8,7 @@ gives ``DIR/.rendezvous``): with gloo's env:// rendezvous, restarts here often f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,6 +39,9 @@ def _wait(job: subprocess.Popen, log: Path) -> None:
     try:
         code = job.wait(timeout=LIMIT_S)
     except subprocess.TimeoutExpired:
+        for worker in _workers(job.pid):  # torchrun gives each worker a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
         os.killpg(job.pid, signal.SIGKILL)
         tail = log.read_text()[-3000:]
         raise AssertionError(f"torchrun did not finish in {LIMIT_S} s:\n{tail}") from None

@@ -9,9 +9,10 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..checkpoint.rendezvous import RENDEZVOUS_DIR, default_backend, init_process_group
 
 
 def in_torchrun() -> bool:
@@ -21,11 +22,16 @@ def in_torchrun() -> bool:
 
 def backend() -> str:
     """NCCL when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return default_backend()
 
 
 def default_threads(workers: int) -> int:
-    """Torch threads per worker so that the workers share the CPU cores without oversubscribing."""
+    """Torch threads per worker so that the workers share the CPU cores without
+    oversubscribing: cores // ``workers``, where under ``torchrun`` ``workers`` is ignored
+    (as ``--workers`` is) for ``LOCAL_WORLD_SIZE``, this machine's workers."""
+    if in_torchrun():
+        # the count --workers LOCAL_WORLD_SIZE gets: another count changes float sums' order
+        workers = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
@@ -82,22 +88,16 @@ def _run_alone(fn: Callable[..., Any], args: tuple) -> Any:
 
 def _torchrun_init(rendezvous: str | None) -> None:
     """The process group of a ``torchrun`` worker: from the environment, or through a
-    file rendezvous in folder ``rendezvous``, one per restart attempt.
-
-    Under ``torchrun --max-restarts``, gloo's env:// rendezvous often failed here after a
-    restart (``connectFullMesh`` errors, or a hang in ``init_process_group``): the store
-    still held the killed attempt's keys. A fresh file per attempt shares nothing with it.
+    file rendezvous per restart attempt in folder ``rendezvous``, which must be
+    ``<checkpoint-dir>/.rendezvous`` (see :func:`accordion.checkpoint.init_process_group`).
     """
     if rendezvous is None:
         dist.init_process_group(backend())
         return
-    rendezvous = os.path.abspath(rendezvous)  # file://a/b would read "a" as a host
-    os.makedirs(rendezvous, exist_ok=True)
-    keys = ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
-    attempt = "-".join(os.environ.get(k, "0") for k in keys)
-    store = os.path.join(rendezvous, f"store-{attempt}")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend(), init_method=f"file://{store}", rank=rank, world_size=world)
+    folder = os.path.abspath(rendezvous)
+    if os.path.basename(folder) != RENDEZVOUS_DIR:
+        raise ValueError(f"rendezvous must be a folder named {RENDEZVOUS_DIR}, got {rendezvous!r}")
+    init_process_group(os.path.dirname(folder), backend())
 
 
 def run_distributed(
@@ -106,11 +106,11 @@ def run_distributed(
     """Run ``fn(rank, world_size, local_rank, *args)`` on every worker; return rank 0's result.
 
     Under ``torchrun`` the process group comes from the environment (or, with
-    ``rendezvous``, a file rendezvous in that folder per restart attempt: see
-    :func:`_torchrun_init`) and ``workers`` is ignored (every rank returns its own
-    result). Otherwise ``workers`` local processes are started; ``workers == 1`` runs in
-    this process, in a one-process group of its own (see :func:`_run_alone`). With
-    several workers ``fn`` and ``args`` must be picklable.
+    ``rendezvous``, the folder ``<checkpoint-dir>/.rendezvous``, a file rendezvous per
+    restart attempt: see :func:`_torchrun_init`) and ``workers`` is ignored (every rank
+    returns its own result). Otherwise ``workers`` local processes are started;
+    ``workers == 1`` runs in this process, in a one-process group of its own (see
+    :func:`_run_alone`). With several workers ``fn`` and ``args`` must be picklable.
     """
     if in_torchrun():
         _torchrun_init(rendezvous)

@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -647,6 +648,9 @@ def _resume(run: _Run, saver: Checkpointer | None, result: RunResult) -> tuple[i
         return 0, 0.0
     extra = restored.extra
     _check_same_run(run.config, extra["config"], restored.path)
+    if run.rank == 0:  # stderr: stdout holds the run's result
+        print(f"resumed from {restored.path} (step {restored.step}: {restored.step} of "
+              f"{run.config.epochs} epochs done)", file=sys.stderr, flush=True)  # fmt: skip
     run.traffic.load_state_dict(extra["traffic"])
     for record in extra["records"]:  # the logs hold every epoch, the resumed ones too
         result.epochs.append(record)

@@ -1,0 +1,302 @@
+"""Under torchrun: ``accordion.checkpoint.init_process_group`` (a file rendezvous per
+restart attempt), a hand-written loop SIGKILLed three times in a row (CPU, gloo), and
+the harness's torch threads per worker."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from accordion.checkpoint import Checkpointer, init_process_group
+from accordion.checkpoint.rendezvous import RENDEZVOUS_DIR, default_backend, store_path
+from accordion.cli import _make_config, build_parser
+from accordion.compress.transport import group_timeout
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("restart_loop.py")
+LIMIT_S = 120
+KILLS = 3
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "run-a",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """A one-worker torchrun environment, in its third attempt."""
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    return dict(TORCHRUN_ENV)
+
+
+@pytest.fixture
+def group_cleanup():
+    """Destroys a process group a test initialised in this process, even if it failed."""
+    yield
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# --- the store file of an attempt ------------------------------------------------------
+
+
+def test_the_store_file_is_named_after_the_run_id_the_port_and_the_restart_count(tmp_path):
+    path = store_path(tmp_path, TORCHRUN_ENV)
+    assert path == tmp_path / RENDEZVOUS_DIR / "store-run-a-29500-2"
+
+
+def test_each_restart_attempt_gets_a_store_file_of_its_own(tmp_path):
+    paths = {store_path(tmp_path, {**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": str(n)})
+             for n in range(4)}  # fmt: skip
+    assert len(paths) == 4
+
+
+def test_a_relative_checkpoint_dir_gives_an_absolute_store_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # file://ckpt/... would read "ckpt" as a host
+    expected = tmp_path / "ckpt" / RENDEZVOUS_DIR / "store-run-a-29500-2"
+    assert store_path("ckpt", TORCHRUN_ENV) == expected
+
+
+def test_outside_torchrun_a_value_error_names_the_missing_variables(tmp_path, monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    missing = "missing: RANK, TORCHELASTIC_RUN_ID, MASTER_PORT, TORCHELASTIC_RESTART_COUNT"
+    with pytest.raises(ValueError, match=missing):
+        init_process_group(tmp_path)
+    assert not dist.is_initialized() and not (tmp_path / RENDEZVOUS_DIR).exists()
+
+
+@pytest.mark.parametrize(
+    "changed, match",
+    [({"RANK": "one"}, "RANK must be an int >= 0, got 'one'"),
+     ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= RANK < WORLD_SIZE, got RANK='2', WORLD_SIZE='2'"),
+     ({"TORCHELASTIC_RESTART_COUNT": "-1"}, "TORCHELASTIC_RESTART_COUNT must be an int >= 0"),
+     ({"TORCHELASTIC_RUN_ID": "a/b"}, "TORCHELASTIC_RUN_ID must not contain '/'")],
+)  # fmt: skip
+def test_a_malformed_torchrun_variable_is_a_value_error_naming_it(tmp_path, changed, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        store_path(tmp_path, {**TORCHRUN_ENV, **changed})
+
+
+# --- arguments -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [((3,), {}, TypeError, "checkpoint_dir must be a str or os.PathLike folder, got 3"),
+     (("",), {}, ValueError, "checkpoint_dir must be a non-empty path, got ''"),
+     (("FILE",), {}, ValueError, "checkpoint_dir must be a folder, got the file"),
+     (("DIR", 3), {}, TypeError, "backend must be None or a str such as 'gloo', got 3"),
+     (("DIR", "nosuch"), {}, ValueError, "available in this torch build (gloo"),
+     (("DIR",), {"init_method": "env://"}, TypeError, "got init_method='env://'"),
+     (("DIR",), {"rank": 1}, TypeError, "sets init_method, store, rank, world_size itself"),
+     (("DIR",), {"timeout": 30}, TypeError, "timeout must be a datetime.timedelta, got 30"),
+     (("DIR",), {"timeout": datetime.timedelta(0)}, ValueError,
+      "timeout must be a positive datetime.timedelta")],
+)  # fmt: skip
+def test_a_bad_argument_is_refused_naming_it_before_any_group_starts(
+    tmp_path, torchrun_env, args, kwargs, error, match
+):
+    (tmp_path / "FILE").write_text("")
+    names = {"FILE": tmp_path / "FILE", "DIR": tmp_path / "ckpt"}
+    args = tuple(names.get(a, a) if isinstance(a, str) else a for a in args)
+    with pytest.raises(error, match=re.escape(match)):
+        init_process_group(*args, **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_the_default_backend_is_gloo_without_cuda_and_nccl_with_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_backend() == "nccl"
+
+
+# --- one process: the group, its timeout, the earlier attempts' files ------------------
+
+
+def test_the_group_gets_the_rank_world_size_and_the_timeout_given(
+    tmp_path, torchrun_env, group_cleanup
+):
+    store = init_process_group(tmp_path, "gloo", timeout=datetime.timedelta(seconds=42))
+    assert store == store_path(tmp_path) and store.is_file()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
+    assert group_timeout() == datetime.timedelta(seconds=42)
+
+
+def test_rank_0_deletes_the_store_files_of_its_runs_earlier_attempts_only(
+    tmp_path, torchrun_env, group_cleanup
+):
+    folder = tmp_path / RENDEZVOUS_DIR
+    folder.mkdir()
+    earlier = ["store-run-a-29400-0", "store-run-a-29450-1"]  # killed attempts: ports change
+    others = ["store-run-b-29400-0",  # another run
+              "store-run-a-1234-5678-0",  # run "run-a-1234"
+              "store-run-a-29500-3"]  # fmt: skip
+    for name in earlier + others:
+        (folder / name).write_text("")
+    init_process_group(tmp_path)
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted([*others, "store-run-a-29500-2"])
+
+
+def test_a_clean_destroy_on_every_rank_deletes_the_attempts_store_file(
+    tmp_path, torchrun_env, group_cleanup
+):
+    store = init_process_group(tmp_path)
+    dist.barrier()
+    dist.destroy_process_group()
+    assert not store.exists()
+
+
+def test_a_second_call_is_a_value_error_and_leaves_the_group(tmp_path, torchrun_env, group_cleanup):
+    init_process_group(tmp_path)
+    with pytest.raises(ValueError, match="already initialised"):
+        init_process_group(tmp_path)
+    assert dist.get_world_size() == 1
+
+
+# --- a hand-written loop under torchrun, killed three times ----------------------------
+
+
+def _torchrun(checkpoints: Path, final: Path, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "--max-restarts", str(KILLS), str(SCRIPT),
+               str(checkpoints), str(final)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    # its own session: on a timeout the whole tree is killed, workers included
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+
+
+def _fail(job: subprocess.Popen, log: Path, what: str) -> None:
+    if job.poll() is None:
+        for worker in _workers(job.pid):  # torchrun gives each worker a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        os.killpg(job.pid, signal.SIGKILL)
+    raise AssertionError(f"{what}:\n{log.read_text()[-3000:]}")
+
+
+def _wait(job: subprocess.Popen, log: Path) -> None:
+    try:
+        code = job.wait(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        _fail(job, log, f"torchrun did not finish in {LIMIT_S} s")
+    assert code == 0, log.read_text()[-3000:]
+
+
+def _until(condition, job: subprocess.Popen, log: Path, deadline: float, what: str):
+    """``condition()``'s first true value, polled every 20 ms until ``deadline``."""
+    while not (value := condition()):
+        if job.poll() is not None or time.monotonic() > deadline:
+            _fail(job, log, f"never {what}")
+        time.sleep(0.02)
+    return value
+
+
+def _workers(agent: int) -> list[int]:
+    """The worker processes of torchrun's agent ``agent`` (its children)."""
+    found = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split()]
+
+
+def _newest_step(checkpoints: Path) -> int:
+    latest = Checkpointer(checkpoints).latest()  # reads the folder only: no group needed
+    return -1 if latest is None else int(latest.name.removeprefix("step-"))
+
+
+def _kill_three_times(job: subprocess.Popen, checkpoints: Path, log: Path) -> None:
+    """SIGKILL a worker of each attempt once the attempt wrote a newer complete set."""
+    deadline, seen = time.monotonic() + LIMIT_S, set()
+    for kill in range(KILLS):
+        pair = _until(lambda: _new_pair(job.pid, seen), job, log, deadline,
+                      f"started attempt {kill}'s workers")  # fmt: skip
+        # read before the attempt can have saved (its workers still import torch)
+        floor = _newest_step(checkpoints)
+        _until(lambda floor=floor: _newest_step(checkpoints) > floor, job, log, deadline,
+               f"saw attempt {kill} write a set after step {floor}")  # fmt: skip
+        os.kill(pair[kill % 2], signal.SIGKILL)  # pgrep sorts by pid: rank 0, 1, then 0
+        seen.update(pair)
+
+
+def _new_pair(agent: int, seen: set[int]) -> list[int] | None:
+    """The agent's two workers when neither is one of ``seen`` (an earlier attempt's)."""
+    pair = [pid for pid in _workers(agent) if pid not in seen]
+    return pair if len(pair) == 2 else None
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """An uninterrupted run of ``restart_loop.py`` and one killed three times in a row:
+    (the straight run's final weights, the killed run's, its log, its checkpoint folder)."""
+    tmp = tmp_path_factory.mktemp("restart")
+    straight = _torchrun(tmp / "straight", tmp / "straight.pt", tmp / "straight.log")
+    log = tmp / "killed.log"
+    job = _torchrun(tmp / "killed", tmp / "killed.pt", log)  # both at once: half the time
+    _kill_three_times(job, tmp / "killed", log)
+    _wait(job, log)
+    _wait(straight, tmp / "straight.log")
+    a = torch.load(tmp / "straight.pt", weights_only=True)
+    b = torch.load(tmp / "killed.pt", weights_only=True)
+    return a, b, log.read_text(), tmp / "killed"
+
+
+def test_a_loop_killed_three_times_in_a_row_ends_bitwise_equal_to_an_uninterrupted_run(
+    restarted,
+):
+    straight, killed, _, _ = restarted
+    assert straight.keys() == killed.keys()
+    assert all(torch.equal(straight[k], killed[k]) for k in straight)
+
+
+def test_each_restart_attempt_resumed_from_a_newer_set_than_the_attempt_before(restarted):
+    log = restarted[2]
+    assert "attempt 0: fresh start" in log
+    resumed = [int(m) for m in re.findall(r"attempt \d: resumed from step (\d+)", log)]
+    assert re.findall(r"attempt (\d): resumed", log) == ["1", "2", "3"], log[-3000:]
+    assert 0 < resumed[0] < resumed[1] < resumed[2], resumed
+
+
+def test_a_restarted_job_leaves_no_store_file_behind(restarted):
+    # the killed attempts' files: deleted by the last attempt's rank 0; its own: by destroy
+    assert list((restarted[3] / RENDEZVOUS_DIR).iterdir()) == []
+
+
+# --- the harness's torch threads under torchrun ----------------------------------------
+
+
+@pytest.mark.parametrize("cores", [2, 16])
+def test_under_torchrun_a_worker_gets_the_threads_of_a_local_run_with_as_many_workers(
+    monkeypatch, cores
+):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    parser = build_parser()
+    local = parser.parse_args(["train", "--workers", "2"])
+    expected = _make_config(local, local.parser).threads
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    args = parser.parse_args(["train"])  # --workers 1: torchrun ignores it
+    assert _make_config(args, args.parser).threads == expected == cores // 2
+
+
+def test_under_torchrun_threads_given_are_kept(monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["train", "--threads", "3"])
+    assert _make_config(args, args.parser).threads == 3
