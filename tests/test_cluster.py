@@ -13,10 +13,11 @@ import secrets
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-import accordion.cluster.emulated as cluster_module
+import accordion.cluster.namespaces as namespaces_module
 from accordion.cli import main
 from accordion.cluster import (
     ClusterError,
@@ -138,9 +139,9 @@ def test_not_root_is_a_cluster_error_that_says_root_is_needed(monkeypatch) -> No
 
 def test_missing_tc_is_a_cluster_error_naming_tc_and_iproute2(monkeypatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    real_which = cluster_module.shutil.which
+    real_which = namespaces_module.shutil.which
     monkeypatch.setattr(
-        cluster_module.shutil,
+        namespaces_module.shutil,
         "which",
         lambda name, **kw: None if name == "tc" else real_which(name, **kw) or "/sbin/ip",
     )
@@ -308,7 +309,7 @@ def test_cluster_cli_runs_the_command_on_3_hosts_prints_host_0_and_cleans_up(
         [sys.executable, "-m", "accordion", "cluster", "--hosts", "3", "--bandwidth", "1gbit",
          "--timeout", "90", "--", "plan", "--model", "mnist1d-cnn", "--workers", "3", "--json"],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(cluster_module.Path(__file__).parents[1] / "src")},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert '"workers": 3' in result.stdout and result.stdout.count('"model"') == 1
@@ -389,7 +390,7 @@ def test_cluster_cli_exits_non_zero_when_the_command_fails_on_the_hosts(namespac
         [sys.executable, "-m", "accordion", "cluster", "--bandwidth", "1gbit", "--timeout", "90",
          "--", "plan", "--model", "no-such-model"],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(cluster_module.Path(__file__).parents[1] / "src")},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
     )  # fmt: skip
     assert result.returncode == 1
     assert "argument --model: must be one of" in result.stderr  # host 0's own error
