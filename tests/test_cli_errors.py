@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import accordion.harness.compare as compare
 import accordion.harness.data as hd
+import accordion.harness.data.mnist1d as hd_mnist1d
 import accordion.harness.launch as launch
 from accordion.cli import main
 
@@ -230,14 +231,15 @@ def test_mnist1d_data_dir_is_where_the_generated_dataset_is_cached(monkeypatch, 
     import mnist1d.data
 
     # 300 samples behind an empty in-process cache of their own, and no ACCORDION_CACHE
-    monkeypatch.setattr(hd, "_MNIST1D_NUM_SAMPLES", 300)
-    monkeypatch.setattr(hd, "_mnist1d_arrays", functools.lru_cache(hd._mnist1d_arrays.__wrapped__))
+    monkeypatch.setattr(hd_mnist1d, "_MNIST1D_NUM_SAMPLES", 300)
+    fresh = functools.lru_cache(hd_mnist1d._mnist1d_arrays.__wrapped__)
+    monkeypatch.setattr(hd_mnist1d, "_mnist1d_arrays", fresh)
     monkeypatch.delenv("ACCORDION_CACHE", raising=False)
     folder = tmp_path / "cache"
     generated = hd.load_task("mnist1d", folder, train_samples=240, test_samples=60)
     assert [p.name for p in folder.iterdir()] == ["mnist1d_n300.npz"]
     assert hd.mnist1d_cache_file(folder) == folder / "mnist1d_n300.npz"
-    hd._mnist1d_arrays.cache_clear()
+    hd_mnist1d._mnist1d_arrays.cache_clear()
     monkeypatch.setattr(mnist1d.data, "make_dataset", lambda *a, **k: 1 / 0)
     cached = hd.load_task("mnist1d", folder, train_samples=240, test_samples=60)
     assert (generated.x_train == cached.x_train).all() and (generated.y_test == cached.y_test).all()

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from accordion.harness import data as hd
 from accordion.harness.data import (
     TASKS,
     ClassificationData,
@@ -22,6 +21,7 @@ from accordion.harness.data import (
     load_task,
     steps_per_epoch,
 )
+from accordion.harness.data import mnist1d as hd_mnist1d
 
 CIFAR10_MEAN = torch.tensor((0.4914, 0.4822, 0.4465)).view(1, 3, 1, 1)
 CIFAR10_STD = torch.tensor((0.2470, 0.2435, 0.2616)).view(1, 3, 1, 1)
@@ -356,8 +356,9 @@ def test_language_stream_too_short_for_one_window_raises():
 @pytest.fixture
 def small_mnist1d(monkeypatch):
     """300-sample MNIST-1D behind an empty in-process cache of its own, and no disk cache."""
-    monkeypatch.setattr(hd, "_MNIST1D_NUM_SAMPLES", 300)
-    monkeypatch.setattr(hd, "_mnist1d_arrays", functools.lru_cache(hd._mnist1d_arrays.__wrapped__))
+    monkeypatch.setattr(hd_mnist1d, "_MNIST1D_NUM_SAMPLES", 300)
+    fresh = functools.lru_cache(hd_mnist1d._mnist1d_arrays.__wrapped__)
+    monkeypatch.setattr(hd_mnist1d, "_mnist1d_arrays", fresh)
     monkeypatch.delenv("ACCORDION_CACHE", raising=False)
 
 
@@ -398,7 +399,7 @@ def test_mnist1d_disk_cache_under_accordion_cache_is_reused(monkeypatch, tmp_pat
     monkeypatch.setenv("ACCORDION_CACHE", str(tmp_path / "cache"))
     generated = load_task("mnist1d", train_samples=240, test_samples=60)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["mnist1d_n300.npz"]
-    hd._mnist1d_arrays.cache_clear()
+    hd_mnist1d._mnist1d_arrays.cache_clear()
     import mnist1d.data
 
     monkeypatch.setattr(mnist1d.data, "make_dataset", lambda *a, **k: 1 / 0)
@@ -448,8 +449,19 @@ def test_non_positive_sample_counts_raise_naming_the_argument(argument, value):
         load_task("synthetic", **{argument: value})
 
 
+@pytest.mark.parametrize("value", [2.0, True, "4"])
+def test_a_count_of_the_wrong_type_is_a_type_error_naming_the_argument(value):
+    with pytest.raises(TypeError, match="train_samples"):
+        load_task("synthetic", train_samples=value)
+    with pytest.raises(TypeError, match="global_batch"):
+        classification_batches(
+            indexed_data(), global_batch=value, rank=0, world_size=1, epoch=0, seed=0
+        )
+
+
 def test_mnist1d_later_loads_come_from_the_in_process_cache():
-    hd._mnist1d_arrays(hd._MNIST1D_NUM_SAMPLES)  # warm: generated once per process
+    # warm: generated once per process
+    hd_mnist1d._mnist1d_arrays(hd_mnist1d._MNIST1D_NUM_SAMPLES)
     start = time.perf_counter()
     load_task("mnist1d")
     assert time.perf_counter() - start < 1.0

@@ -12,14 +12,15 @@ import math
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from accordion.compress import Compressor, compressor_names
 from accordion.compress import base as compress_base
 from accordion.compress.wire import Message
-from accordion.harness import compare, train
+from accordion.harness import attach, baselines, compare
 from accordion.harness.strategies import FORMATS, parse_strategy, strategy_compressors
-from accordion.harness.train import TrainConfig
+from accordion.harness.train import PRESETS, TrainConfig
 
 
 class _Fake(Compressor):
@@ -189,7 +190,7 @@ def test_train_config_validate_names_the_bad_setting(setting, error):
 
 def test_train_config_defaults_and_presets_validate():
     TrainConfig().validate()
-    for preset in train.PRESETS.values():
+    for preset in PRESETS.values():
         TrainConfig(**preset).validate()
 
 
@@ -216,27 +217,27 @@ def test_attach_strategy_hands_the_ladder_to_the_accordion_state(monkeypatch, te
         made.append(kwargs)
         return "state"
 
-    monkeypatch.setattr(train, "AccordionState", fake_state)
+    monkeypatch.setattr(attach, "AccordionState", fake_state)
     ddp = _HookRecorder()
     config = TrainConfig(strategy=text)
-    assert train._attach_strategy(config, parse_strategy(text), nn.Linear(2, 2), ddp) == "state"
+    assert attach.attach_strategy(config, parse_strategy(text), nn.Linear(2, 2), ddp) == "state"
     (kwargs,) = made
     ladder = {k: kwargs[k] for k in ("levels", "mild", "aggressive") if k in kwargs}
     assert ladder == expected
     assert kwargs["compressor"] == parse_strategy(text).compressor
-    assert ddp.hooks == [("state", train.accordion_hook)]
+    assert ddp.hooks == [("state", attach.accordion_hook)]
 
 
 def test_torch_powersgd_traffic_mimics_pytorchs_hook():
     # a 64x64 matrix pays at rank 1, a 2x64 one does not (2 * 64 <= 2 * (2 + 64)); the
     # first step is dense, as PyTorch's start_powerSGD_iter=2
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
-    traffic = train._Traffic(parse_strategy("torch-powersgd:1"), model, None, 4)
+    traffic = baselines.Traffic(parse_strategy("torch-powersgd:1"), model, None, 4)
     traffic.step()
     assert traffic.floats == 64 * 64 + 64 + 2 * 64 + 2
     traffic.step()
     assert traffic.floats == (64 * 64 + 64 + 2 * 64 + 2) + ((64 + 64) * 1 + 64 + 2 * 64 + 2)
-    dense = train._Traffic(parse_strategy("dense"), model, None, 4)
+    dense = baselines.Traffic(parse_strategy("dense"), model, None, 4)
     dense.step()
     assert dense.totals()[0] == sum(p.numel() for p in model.parameters())
     assert dense.totals()[1] == pytest.approx(2 * 3 / 4 * 4 * dense.totals()[0])
@@ -308,8 +309,8 @@ def test_a_guarded_strategy_names_its_block():
 )  # fmt: skip
 def test_attach_strategy_builds_the_named_rule_with_its_block(monkeypatch, text, rule, block):
     made = []
-    monkeypatch.setattr(train, "AccordionState", lambda model, **kwargs: made.append(kwargs))
-    train._attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
+    monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
+    attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
                            _HookRecorder())  # fmt: skip
     (kwargs,) = made
     assert kwargs["rule"].name == rule
@@ -326,8 +327,8 @@ def test_torch_half_strategies_name_pytorchs_cast_hooks(text, level):
 
 def test_torch_fp16_traffic_is_every_tensor_at_half_the_dense_bytes():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
-    half = train._Traffic(parse_strategy("torch-fp16"), model, None, 4)
-    dense = train._Traffic(parse_strategy("dense"), model, None, 4)
+    half = baselines.Traffic(parse_strategy("torch-fp16"), model, None, 4)
+    dense = baselines.Traffic(parse_strategy("dense"), model, None, 4)
     for traffic in (half, dense):
         traffic.step()
     assert half.totals()[0] == dense.totals()[0]  # the paper counts floats, whatever width
@@ -340,11 +341,11 @@ def test_attach_strategy_registers_pytorchs_fp16_compress_hook():
     ddp = _HookRecorder()
     config = TrainConfig(strategy="torch-fp16")
     strategy = parse_strategy("torch-fp16")
-    assert train._attach_strategy(config, strategy, nn.Linear(2, 2), ddp) is None
+    assert attach.attach_strategy(config, strategy, nn.Linear(2, 2), ddp) is None
     assert ddp.hooks == [(None, default_hooks.fp16_compress_hook)]
 
 
 def test_torch_bf16_on_a_machine_without_cuda_is_refused_before_training(monkeypatch):
-    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="bf16_compress_hook needs CUDA"):
         TrainConfig(strategy="torch-bf16").validate()

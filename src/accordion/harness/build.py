@@ -1,0 +1,96 @@
+"""Build one run on this rank from a validated config: device, data, batch controller,
+model, DDP with the strategy's hook, optimiser, traffic count and logs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..batch import BatchSizeController
+from ..models import get_model
+from ..policy import PaperRule
+from .attach import attach_strategy
+from .baselines import Traffic
+from .config import TrainConfig
+from .data import ClassificationData, LanguageData, load_task
+from .loop import Run, step_compute
+from .records import Logger
+from .strategies import Strategy, parse_strategy
+
+
+def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
+    """Data, model, DDP, the strategy's hook, optimiser and logs of a validated config."""
+    strategy = parse_strategy(config.strategy)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = _device(local_rank)
+    data = load_task(
+        config.task, config.data_dir, train_samples=config.train_samples,
+        test_samples=config.test_samples, seed=config.seed,
+        synthetic_shape=tuple(config.synthetic_shape),
+    )  # fmt: skip
+    if config.batch_size % world:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) must be a multiple of the number of workers "
+            f"({world})"
+        )
+    controller = _batch_controller(config, strategy, data, world)
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    model = _build_model(config, data).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state = attach_strategy(config, strategy, model, ddp)
+    calibrates = state is not None and strategy.auto and world > 1  # one worker: no link
+    compute_s = None
+    if calibrates or config.measure_compute:  # the same on every rank: collective
+        compute_s = step_compute(ddp, data, config, rank, world, device)
+    if calibrates:  # collective: the link and the compression costs
+        state.calibrate(compute_s=compute_s)
+    traffic = Traffic(strategy, model, state, world)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )  # fmt: skip
+    logger = Logger(config.out if rank == 0 else None, config)
+    return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
+               traffic, optimizer, logger,
+               compute_s if config.measure_compute else None)  # fmt: skip
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _build_model(config: TrainConfig, data: ClassificationData | LanguageData) -> nn.Module:
+    name = config.model or data.default_model
+    if isinstance(data, LanguageData):
+        return get_model(name, ntoken=data.vocab_size)
+    return get_model(name, num_classes=data.num_classes)
+
+
+def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int):
+    """The batch-size controller of an adaptive or fixed batch strategy, else ``None``."""
+    if strategy.batch_mode is None:
+        return None
+    if isinstance(data, LanguageData):
+        raise ValueError(
+            f"strategy {strategy.text!r}: batch-size strategies support classification tasks, "
+            f"not {config.task!r}"
+        )
+    for size in (strategy.batch_small, strategy.batch_large):
+        if size % world:
+            raise ValueError(
+                f"strategy {strategy.text!r}: batch {size} must be a multiple of the number "
+                f"of workers ({world})"
+            )
+    if strategy.batch_mode == "static":
+        return None
+    return BatchSizeController(
+        strategy.batch_small, strategy.batch_large, micro_batch=strategy.batch_small // world,
+        world_size=world, interval=config.interval or PaperRule.default_interval,
+        eta=config.eta, mode=strategy.batch_mode,
+        fixed_switch_epoch=config.batch_switch_epoch, lr_scaling=config.lr_scaling,
+        warmup_steps=config.batch_warmup_steps,
+    )  # fmt: skip

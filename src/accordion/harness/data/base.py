@@ -1,0 +1,82 @@
+"""What every task module shares: the task names, the two in-memory forms of a task, and
+the helpers that cut a split to a sample count and seed a generator from a key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TASKS: tuple[str, ...] = ("mnist1d", "cifar10", "cifar100", "wikitext2", "synthetic")
+"""Task names accepted by :func:`load_task`."""
+
+FILE_TASKS: tuple[str, ...] = ("cifar10", "cifar100", "wikitext2")
+"""The tasks that read their files from ``data_dir``; the others generate their data."""
+
+# Purpose tags keep the permutation, augmentation and synthetic streams independent.
+TAG_PERMUTATION, TAG_AUGMENT, TAG_SYNTHETIC = 0, 1, 2
+
+
+@dataclass
+class ClassificationData:
+    """An image or signal classification task held in memory.
+
+    Attributes:
+        name: task name, one of :data:`TASKS`.
+        x_train: training inputs, ``[N, ...]``: uint8 ``[N, 3, 32, 32]`` pixels for CIFAR
+            (normalised at batch time), float32 otherwise.
+        y_train: training labels, int64 ``[N]``, in ``[0, num_classes)``.
+        x_test: test inputs, laid out as ``x_train``.
+        y_test: test labels, int64.
+        num_classes: number of classes.
+        augment: whether training batches get a random crop (4-pixel zero padding) and a random
+            horizontal flip (CIFAR only).
+        default_model: the model name (see :func:`accordion.models.get_model`) for this task.
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    augment: bool
+    default_model: str
+
+
+@dataclass
+class LanguageData:
+    """A word-level language-modelling corpus: 1-D int64 streams of token ids.
+
+    Attributes:
+        name: task name (``"wikitext2"``).
+        train: training stream, int64 ``[tokens]``.
+        valid: validation stream, int64 ``[tokens]``.
+        test: test stream, int64 ``[tokens]``.
+        vocab_size: number of distinct token ids (words), ``<eos>`` and ``<unk>`` included.
+        default_model: the model name for this task.
+    """
+
+    name: str
+    train: torch.Tensor
+    valid: torch.Tensor
+    test: torch.Tensor
+    vocab_size: int
+    default_model: str = "lstm"
+
+
+def cut(name: str, tensor: torch.Tensor, count: int | None, task: str) -> torch.Tensor:
+    """First ``count`` entries of ``tensor`` (all when None); too many -> ValueError."""
+    if count is None:
+        return tensor
+    if count > len(tensor):
+        raise ValueError(f"{name}={count} exceeds the {len(tensor)} samples available in {task}")
+    return tensor[:count]
+
+
+def generator(*key: int) -> torch.Generator:
+    """A CPU torch.Generator seeded from a tuple of non-negative ints."""
+    # SeedSequence hashes the whole tuple, so nearby keys give unrelated streams.
+    state = np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))

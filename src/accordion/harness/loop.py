@@ -1,0 +1,235 @@
+"""One epoch of a run on this rank: its optimizer steps (with micro-batches accumulated
+under ``no_sync()`` for a batch controller), the evaluation and the epoch's record."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..batch import BatchSizeController, accumulation_loss_scale
+from ..calibration import measure_step_compute
+from ..ddp import AccordionState
+from .baselines import Traffic
+from .config import TrainConfig
+from .data import ClassificationData, LanguageData, classification_batches, language_batches
+from .records import Logger
+from .strategies import Strategy
+
+
+@dataclass
+class Run:
+    """What one run trains with on this rank, built by :func:`accordion.harness.build.set_up`."""
+
+    config: TrainConfig
+    strategy: Strategy
+    rank: int
+    world: int
+    device: torch.device
+    data: ClassificationData | LanguageData
+    controller: BatchSizeController | None
+    model: nn.Module
+    ddp: DDP
+    state: AccordionState | None
+    traffic: Traffic
+    optimizer: torch.optim.Optimizer
+    logger: Logger
+    #: ``TrainConfig.measure_compute``'s measurement (s), else ``None``.
+    compute_step_s: float | None = None
+
+
+def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
+    """Train and evaluate epoch ``epoch``; return its record and the training time so far (s)."""
+    config, state, controller = run.config, run.state, run.controller
+    levels = state.levels() if state is not None else {}
+    batch = global_batch(config, run.strategy, controller)
+    steps_per_epoch = max(1, epoch_steps(run.data, config, run.world, batch))
+    if run.world > 1:
+        dist.barrier()  # time the same span of work on every rank
+    start = time.perf_counter()
+    loss_sum, batches, step_times = train_epoch(
+        run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
+        run.device, run.traffic, batch, controller,
+    )  # fmt: skip
+    train_time += time.perf_counter() - start
+    next_lr = config.lr_at(epoch + 1)
+    if state is not None:
+        state.end_epoch(next_lr=next_lr)
+    if controller is not None:
+        last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
+        controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
+    metric = evaluate(run.model, run.data, config, run.rank, run.world, run.device)
+    loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
+    if run.world > 1:
+        dist.all_reduce(loss)
+    floats, nbytes = run.traffic.totals()
+    record = {
+        "epoch": epoch,
+        "train_loss": loss[0].item() / max(loss[1].item(), 1.0),
+        "test_metric": metric,
+        "floats": floats,
+        "bytes": nbytes,
+        "train_time_s": train_time,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "batch_size": batch,
+        "levels": levels,
+        "step_times_s": step_times,
+    }
+    if config.measure_compute:
+        record["compute_step_s"] = run.compute_step_s
+    return record, train_time
+
+
+def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
+                traffic: Traffic, batch: int,
+                controller) -> tuple[float, int, list[float]]:  # fmt: skip
+    """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
+    controller, each rank's share is split into micro-batches whose gradients accumulate
+    under ``no_sync()``: one all-reduce and one optimizer step per global batch.
+
+    Returns this rank's loss sum, the number of steps and each step's wall time (s, from
+    before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
+    CUDA, kernels still queued then are waited for, and counted, in the next step)."""
+    ddp.train()
+    loss_sum, count = 0.0, 0
+    hidden = None
+    language = isinstance(data, LanguageData)
+    accumulation = controller.accumulation_steps if controller is not None else 1
+    # lr is the rate at config.batch_size; the controller scales from its small batch on
+    lr_scale = config.batch_lr_scale(controller.small if controller is not None else batch)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    step_times: list[float] = []
+    for step, (x, y) in enumerate(train_batches(data, config, rank, world, epoch, batch)):
+        lr = config.lr_at(epoch + step / steps_per_epoch) * lr_scale
+        if controller is not None:
+            lr *= controller.lr_factor()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        started = time.perf_counter()  # local clock only: timing must not change what is sent
+        optimizer.zero_grad(set_to_none=True)
+        x, y = x.to(device), y.to(device)
+        if language:
+            if hidden is not None:
+                hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
+            logits, hidden = ddp(x, hidden)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            step_loss = loss.item()
+        else:
+            step_loss = _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation))
+        if config.clip is not None:
+            # DDP averages inside backward, so this clips the averaged gradient
+            nn.utils.clip_grad_norm_(ddp.parameters(), config.clip)
+        if controller is not None:
+            controller.observe([p.grad for p in params if p.grad is not None])
+        optimizer.step()
+        if controller is not None:
+            controller.step()
+        step_times.append(time.perf_counter() - started)
+        traffic.step()
+        loss_sum += step_loss
+        count += 1
+    return loss_sum, count, step_times
+
+
+def _accumulate(ddp: DDP, xs, ys) -> float:
+    """Forward/backward over micro-batches; only the last one synchronises (one all-reduce
+    of the summed gradients). Returns the global-batch loss on this rank."""
+    scale = accumulation_loss_scale(len(xs))
+    total = 0.0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        sync = i == len(xs) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            loss = nn.functional.cross_entropy(ddp(x), y) * scale
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def step_compute(ddp: DDP, data, config: TrainConfig, rank: int, world: int, device):
+    """Seconds of forward and backward per step (no communication) on the first global
+    batch, for the cost model and ``measure_compute`` (collective: every rank calls it);
+    ``None`` for language tasks, whose step carries a hidden state (the cost model then
+    assumes no overlap)."""
+    if isinstance(data, LanguageData):
+        return None
+    x, y = next(iter(train_batches(data, config, rank, world, 0, config.batch_size)))
+    x, y = x.to(device), y.to(device)
+
+    def step() -> None:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+    return measure_step_compute(ddp, step, steps=5)
+
+
+def evaluate(model: nn.Module, data, config: TrainConfig, rank: int, world: int, device):
+    """Test accuracy (%) or perplexity; each rank evaluates a shard, then all-reduce."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        if isinstance(data, LanguageData):
+            hidden = None
+            batches = language_batches(
+                data.test, batch_size_per_rank=max(1, config.batch_size // world),
+                rank=rank, world_size=world, bptt=config.bptt,
+            )  # fmt: skip
+            for x, y in batches:
+                logits, hidden = model(x.to(device), hidden)
+                loss = nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1), reduction="sum"
+                )
+                totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+        else:
+            shard = dataclasses.replace(
+                data, x_test=data.x_test[rank::world], y_test=data.y_test[rank::world]
+            )
+            batches = classification_batches(
+                shard, global_batch=config.batch_size, rank=0, world_size=1, epoch=0,
+                seed=config.seed, train=False,
+            )  # fmt: skip
+            for x, y in batches:
+                pred = model(x.to(device)).argmax(dim=1)
+                totals += torch.tensor(
+                    [(pred == y.to(device)).sum().item(), y.numel()], dtype=torch.float64
+                )
+    if world > 1:
+        dist.all_reduce(totals)
+    model.train()
+    if isinstance(data, LanguageData):
+        return math.exp(min(totals[0].item() / max(totals[1].item(), 1.0), 50.0))
+    return 100.0 * totals[0].item() / max(totals[1].item(), 1.0)
+
+
+def train_batches(data, config: TrainConfig, rank: int, world: int, epoch: int, batch: int):
+    """This rank's training batches of epoch ``epoch`` at a global batch of ``batch``."""
+    if isinstance(data, LanguageData):
+        return language_batches(
+            data.train, batch_size_per_rank=batch // world, rank=rank,
+            world_size=world, bptt=config.bptt,
+        )  # fmt: skip
+    return classification_batches(
+        data, global_batch=batch, rank=rank, world_size=world, epoch=epoch, seed=config.seed,
+    )  # fmt: skip
+
+
+def epoch_steps(data, config: TrainConfig, world: int, batch: int) -> int:
+    """Optimizer steps of one epoch at a global batch of ``batch`` samples."""
+    if isinstance(data, LanguageData):
+        columns = (batch // world) * world
+        return math.ceil((data.train.numel() // columns - 1) / config.bptt)
+    return data.x_train.shape[0] // batch
+
+
+def global_batch(config: TrainConfig, strategy: Strategy, controller) -> int:
+    """The global batch (samples) the next epoch trains at."""
+    if controller is not None:
+        return controller.batch_size
+    return strategy.batch_small or config.batch_size

@@ -1,0 +1,60 @@
+"""Checkpoint sets of a run: resume from the newest complete one, refusing another run's,
+and save one after an epoch (both collective)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..checkpoint import Checkpointer
+from .config import TrainConfig
+from .loop import Run
+from .records import RunResult
+
+#: Settings that may change between a checkpoint and the run resuming from it.
+_RESUMABLE_CHANGES = ("epochs", "out", "progress", "threads", "checkpoint_dir",
+                      "checkpoint_every", "measure_compute")  # fmt: skip
+
+
+def resume(run: Run, saver: Checkpointer | None, result: RunResult) -> tuple[int, float]:
+    """Restore the newest complete checkpoint set, if any: the first epoch to train and
+    the training time so far (s) (collective)."""
+    if saver is None:
+        return 0, 0.0
+    restored = saver.load_latest(model=run.model, optimizer=run.optimizer,
+                                 accordion=run.state, batch=run.controller)  # fmt: skip
+    if restored is None:
+        return 0, 0.0
+    extra = restored.extra
+    check_same_run(run.config, extra["config"], restored.path)
+    if run.rank == 0:  # stderr: stdout holds the run's result
+        print(f"resumed from {restored.path} (step {restored.step}: {restored.step} of "
+              f"{run.config.epochs} epochs done)", file=sys.stderr, flush=True)  # fmt: skip
+    run.traffic.load_state_dict(extra["traffic"])
+    for record in extra["records"]:  # the logs hold every epoch, the resumed ones too
+        result.epochs.append(record)
+        run.logger.log(record)
+    return restored.step, extra["train_time"]
+
+
+def check_same_run(config: TrainConfig, saved: dict[str, Any], path) -> None:
+    """Raise ``ValueError`` when ``config`` trains another run than the checkpoint's."""
+    now = config.to_dict()
+    # a cosine schedule spans the whole run: more epochs would change the rates so far
+    free = [k for k in _RESUMABLE_CHANGES if k != "epochs" or config.schedule != "cosine"]
+    changed = sorted(k for k in set(now) | set(saved) if k not in free
+                     and now.get(k) != saved.get(k))  # fmt: skip
+    if changed:
+        pairs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise ValueError(
+            f"the checkpoint set {path} is of another run ({pairs}): resume with the same "
+            "settings, or give another --checkpoint-dir"
+        )
+
+
+def save(run: Run, saver: Checkpointer, done: int, result: RunResult, train_time: float):
+    """Write the checkpoint set after ``done`` epochs (collective)."""
+    extra = {"records": result.epochs, "train_time": train_time,
+             "traffic": run.traffic.state_dict(), "config": run.config.to_dict()}  # fmt: skip
+    saver.save(done, model=run.model, optimizer=run.optimizer, accordion=run.state,
+               batch=run.controller, extra=extra)  # fmt: skip
