@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from accordion.checkpoint import Checkpointer, init_process_group
 from accordion.checkpoint.rendezvous import RENDEZVOUS_DIR, default_backend, store_path
-from accordion.cli import _make_config, build_parser
+from accordion.cli.parser import build_parser
+from accordion.cli.run_config import _make_config
 from accordion.compress.transport import group_timeout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from accordion.cli import _make_config, build_parser
+from accordion.cli.parser import build_parser
+from accordion.cli.run_config import _make_config
 from accordion.harness.compare import run_compare, slug
 from accordion.harness.launch import run_distributed
 from accordion.harness.train import TrainConfig, train_run
