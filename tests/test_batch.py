@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from accordion.batch import BatchSizeController, accumulation_loss_scale
+from accordion.batch import BatchSizeController, BatchSizes, accumulation_loss_scale
+from accordion.policy import Ladder
+from numerics import assert_equal_up_to_rounding
 
 SMALL, LARGE = 8, 64
 
@@ -331,3 +334,145 @@ def test_check_resumable_refuses_the_middle_of_an_accumulation_window():
 
 def test_check_resumable_accepts_an_optimizer_step_boundary():
     assert adaptive().check_resumable(6) == 3
+
+
+# ------------------------------------------------------------------- the policy underneath
+
+
+def test_the_batch_sizes_are_a_ladder_of_two_rungs_small_first():
+    ctrl = adaptive()
+    ladder = Ladder(BatchSizes, (ctrl.small, ctrl.large))
+    assert (ladder.mildest, ladder.most_aggressive, ladder.top) == (SMALL, LARGE, 1)
+    assert [BatchSizes.label(level) for level in ladder.levels] == ["batch 8", "batch 64"]
+
+
+def test_a_decay_at_a_check_epoch_overrides_that_check():
+    ctrl = adaptive()
+    run_epoch(ctrl, 0, c=1.0)
+    run_epoch(ctrl, 1)
+    # r = 0 would be calm, but the learning rate decays: small until the next check
+    assert run_epoch(ctrl, 2, c=1.0, lr_will_decay=True) == SMALL
+    assert ctrl.checks[-1]["lr_will_decay"] is True
+    assert run_epoch(ctrl, 3) == SMALL
+    assert run_epoch(ctrl, 4, c=1.0) == LARGE
+
+
+def test_a_skipped_check_epoch_compares_with_the_last_check_that_ran():
+    ctrl = adaptive()
+    run_epoch(ctrl, 0, c=1.0)  # statistic 2.0
+    run_epoch(ctrl, 1)
+    # epoch 2 is never ended: epoch 4 compares with epoch 0, |2.0 - 2.4| / 2.0 = 0.2
+    assert run_epoch(ctrl, 4, c=1.2) == LARGE
+    assert ctrl.checks[-1]["layers"]["model"]["old_norm"] == pytest.approx(2.0)
+    assert [check["epoch"] for check in ctrl.checks] == [0, 4]
+
+
+def test_a_decay_before_the_first_check_keeps_the_small_batch():
+    ctrl = adaptive()
+    assert ctrl.end_epoch(1, lr_will_decay=True) == SMALL  # epoch 0 never ended
+    assert ctrl.state_dict()["detector"]["decay_override"] is True
+
+
+def test_a_gradient_that_is_not_finite_makes_the_check_refuse_and_changes_nothing():
+    ctrl = adaptive()
+    ctrl.observe(grads_of(1.0))
+    ctrl.observe([torch.full((3,), math.inf), torch.ones(1)])
+    assert math.isnan(ctrl.statistic())
+    before = ctrl.state_dict()
+    with pytest.raises(ValueError, match="finite"):
+        ctrl.end_epoch(0)
+    assert ctrl.history == [] and ctrl.current_epoch == 0
+    # the poison survives a checkpoint: the resumed check refuses too
+    resumed = adaptive()
+    resumed.load_state_dict(_roundtrip(before))
+    with pytest.raises(ValueError, match="finite"):
+        resumed.end_epoch(0)
+
+
+def test_load_state_dict_refuses_a_malformed_detector_entry_and_changes_nothing():
+    ctrl = adaptive()
+    run_epoch(ctrl, 0, c=1.0)
+    state = _roundtrip(ctrl.state_dict())
+    del state["detector"]["norms"]
+    fresh = adaptive()
+    with pytest.raises(ValueError, match=r"RegimeDetector state_dict: missing keys \['norms'\]"):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == adaptive().state_dict()
+    with pytest.raises(ValueError, match="state must be a Mapping"):
+        fresh.load_state_dict([1, 2])
+
+
+# ------------------------------------------------------------- checkpoints of earlier versions
+
+FIXTURE = Path(__file__).parent / "data" / "batch-controller-v1.pt"
+
+
+def _assert_checks_equal(actual, expected):
+    """Checks equal: decisions exactly, norms and ratios up to rounding."""
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        assert (got["epoch"], got["lr_will_decay"]) == (want["epoch"], want["lr_will_decay"])
+        for name, layer in want["layers"].items():
+            mine = got["layers"][name]
+            assert mine["critical"] is layer["critical"]
+            for key in ("old_norm", "ratio"):
+                assert (mine[key] is None) == (layer[key] is None)
+            floats = [k for k in ("old_norm", "new_norm", "ratio") if layer[k] is not None]
+            assert_equal_up_to_rounding(
+                torch.tensor([mine[k] for k in floats], dtype=torch.float64),
+                torch.tensor([layer[k] for k in floats], dtype=torch.float64),
+                terms=100,  # the statistic sums a few steps of 17 entries
+            )
+
+
+def test_a_checkpoint_of_the_regime_detector_version_loads_and_continues_identically():
+    fixture = torch.load(FIXTURE, weights_only=True)
+    ctrl = BatchSizeController(**fixture["config"])
+    ctrl.load_state_dict(fixture["checkpoint"])
+    grads = iter(fixture["grads_after"])
+    decided, lr_factors = [], []
+    for epoch, (_scale, steps, decay) in enumerate(fixture["epochs"]):
+        if epoch < 6:
+            continue
+        for _ in range(steps - (fixture["saved_after"] if epoch == 6 else 0)):
+            lr_factors.append(ctrl.lr_factor())
+            ctrl.observe(next(grads))
+            ctrl.step()
+        decided.append(ctrl.end_epoch(epoch, lr_will_decay=decay))
+    after = fixture["after"]
+    assert decided == after["decided"] == [32, 32, 8]  # large, large, small
+    assert lr_factors == after["lr_factors"] and ctrl.lr_factor() == after["lr_factor"]
+    assert ctrl.history == after["history"]
+    _assert_checks_equal(ctrl.checks, after["checks"])
+    state, expected = ctrl.state_dict(), after["state"]
+    _assert_checks_equal(state["detector"].pop("history"), expected["detector"].pop("history"))
+    norms, expected_norms = state["detector"].pop("norms"), expected["detector"].pop("norms")
+    assert norms.keys() == expected_norms.keys()
+    assert_equal_up_to_rounding(
+        torch.tensor(list(norms.values())), torch.tensor(list(expected_norms.values())), terms=100
+    )
+    assert state == expected
+
+
+def test_a_checkpoint_of_the_regime_detector_version_saves_back_the_same_state():
+    fixture = torch.load(FIXTURE, weights_only=True)
+    for config, state in (
+        (fixture["config"], fixture["checkpoint"]),
+        (fixture["fixed"]["config"], fixture["fixed"]["state"]),
+    ):
+        ctrl = BatchSizeController(**config)
+        ctrl.load_state_dict(state)
+        resaved = ctrl.state_dict()
+        saved_sums, sums = state["accumulator"], resaved["accumulator"]
+        assert (saved_sums is None) == (sums is None)
+        for got, want in zip(sums or [], saved_sums or []):
+            assert torch.equal(got, want) and got.dtype == want.dtype  # a copy
+        assert {**resaved, "accumulator": None} == {**state, "accumulator": None}
+
+
+def test_the_fixed_mode_state_keeps_the_layout_of_the_regime_detector_version():
+    fixed = torch.load(FIXTURE, weights_only=True)["fixed"]
+    ctrl = BatchSizeController(**fixed["config"])
+    ctrl.end_epoch(0)
+    ctrl.end_epoch(1, lr_will_decay=True)
+    assert ctrl.state_dict() == fixed["state"]

@@ -1,4 +1,7 @@
-"""Specification of accordion.regime: Accordion's critical-regime rule (Agarwal et al. 2021).
+"""Specification of Accordion's critical-regime rule (Agarwal et al. 2021), per tensor and
+checked every ``interval`` epochs or every window of steps, through the shims of
+accordion.regime over ``accordion.policy.PaperRule`` and ``Schedule``; their state is the
+layout of ``accordion.batch.state`` (a BatchSizeController's ``"detector"`` entry).
 
 Ratios are worked out by hand in the comments: r = |old - new| / old, critical iff r >= eta.
 """
@@ -440,16 +443,17 @@ def test_load_state_dict_rejects_another_eta():
         RegimeDetector(eta=0.5).load_state_dict(state)
 
 
-def test_load_state_dict_rejects_missing_and_unexpected_keys():
+def test_load_state_dict_rejects_missing_and_unknown_keys():
     state = RegimeDetector().state_dict()
     del state["norms"]
     state["extra"] = 1
-    with pytest.raises(ValueError, match=r"missing keys \['norms'\], unexpected keys \['extra'\]"):
+    with pytest.raises(ValueError, match=r"missing keys \['norms'\], unknown keys \['extra'\]"):
         RegimeDetector().load_state_dict(state)
 
 
 def test_load_state_dict_rejects_a_non_mapping():
-    with pytest.raises(TypeError, match="state must be a Mapping"):
+    # a checkpoint is a value: a malformed one, a non-Mapping included, is a ValueError
+    with pytest.raises(ValueError, match="state must be a Mapping"):
         RegimeDetector().load_state_dict([1, 2])
 
 

@@ -69,17 +69,27 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     return value
 
 
-def check_state_keys(state: Any, expected: frozenset[str], owner: str) -> None:
-    """Raise ``TypeError`` unless ``state`` is a Mapping, and ``ValueError`` naming the
-    missing and unexpected keys unless it has exactly ``expected`` (``owner.state_dict()``)."""
+def check_state_keys(
+    state: Any,
+    required: frozenset[str],
+    owner: str,
+    optional: frozenset[str] = frozenset(),
+) -> None:
+    """The one check of a ``load_state_dict``'s keys: raise ``ValueError`` unless
+    ``state`` is a Mapping holding every key of ``required`` and no key outside
+    ``required | optional`` (``optional``: keys older files lack), naming the missing and
+    unknown keys and ``owner``, whose ``state_dict()`` it should be. A checkpoint is a
+    value, so every malformed one, a non-Mapping included, is a ``ValueError``."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a Mapping from {owner}.state_dict(), got {state!r}")
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
         raise ValueError(
-            f"state is not a {owner} state_dict: missing keys {missing}, "
-            f"unexpected keys {unexpected}"
+            f"state must be a Mapping from {owner}.state_dict(), got {type(state).__name__}"
+            f" {state!r:.80}"
+        )
+    missing = sorted(required - set(state), key=repr)
+    unknown = sorted(set(state) - required - optional, key=repr)
+    if missing or unknown:
+        raise ValueError(
+            f"state is not a {owner} state_dict: missing keys {missing}, unknown keys {unknown}"
         )
 
 

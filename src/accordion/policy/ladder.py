@@ -1,50 +1,85 @@
-"""The ladder: a compressor's levels in order, from the mildest to the most aggressive."""
+"""The ladder: ordered levels of one kind, from the mildest to the most aggressive.
+
+A *level kind* says what its levels are: a compressor class (PowerSGD ranks, TopK
+fractions; ``accordion.compress``) or the global batch sizes of
+``accordion.batch.BatchSizes``. Rules decide rung indices, so one rule serves any kind.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from ..compress.base import Compressor
+#: The attributes a level kind has (see :class:`LevelKind`).
+_KIND_ATTRIBUTES = ("name", "check_level", "aggressiveness", "label")
+
+
+class LevelKind(Protocol):
+    """What a ladder asks of its levels' kind; compressor classes are level kinds.
+
+    Attributes:
+        name: a short name of the kind, for messages ("powersgd", "batch").
+    """
+
+    name: str
+
+    def check_level(self, level: Any) -> Any:
+        """Validate a level and return it normalised; raise ``TypeError``/``ValueError``."""
+
+    def aggressiveness(self, level: Any) -> float:
+        """A number that orders levels: larger is more aggressive (equal: as much)."""
+
+    def label(self, level: Any) -> str:
+        """A human label of ``level`` for messages, tables and plots ("rank 4")."""
 
 
 class Ladder:
-    """Levels of one compressor class, mildest first; decisions are rung indices.
+    """Levels of one kind, mildest first; decisions are rung indices.
 
     Rung 0 is the mildest level (critical regimes), rung ``len - 1`` the most aggressive.
-    Each level must compress at least as much as the one before
-    (``Compressor.aggressiveness``). Equal levels are allowed: a ladder whose levels are
-    all equal is a static compressor.
+    Each level must be at least as aggressive as the one before (the kind's
+    ``aggressiveness``). Equal levels are allowed: a ladder whose levels are all equal
+    is static.
 
     Args:
-        compressor: the compressor class (``PowerSGD``, ``TopK``, ...).
+        kind: the levels' kind (:class:`LevelKind`): a compressor class (``PowerSGD``,
+            ``TopK``, ...) or ``accordion.batch.BatchSizes``.
         levels: two or more levels, mildest first, e.g. ``(4, 2, 1)`` PowerSGD ranks.
     """
 
-    def __init__(self, compressor: type[Compressor], levels: Sequence[Any]):
+    def __init__(self, kind: LevelKind, levels: Sequence[Any]):
+        missing = [attr for attr in _KIND_ATTRIBUTES if not hasattr(kind, attr)]
+        if missing:
+            raise TypeError(
+                f"kind must be a level kind (a compressor class, or an object with "
+                f"{', '.join(_KIND_ATTRIBUTES)}), got {kind!r}, which lacks {', '.join(missing)}"
+            )
         if isinstance(levels, str | bytes) or not isinstance(levels, Sequence):
             raise TypeError(
-                f"levels must be a sequence of {compressor.name} levels, mildest first, "
-                f"got {levels!r}"
+                f"levels must be a sequence of {kind.name} levels, mildest first, got {levels!r}"
             )
         if len(levels) < 2:
             raise ValueError(
                 f"levels must hold at least 2 levels (mildest first; equal levels make a "
                 f"static compressor), got {tuple(levels)!r}"
             )
-        checked = tuple(compressor.check_level(level) for level in levels)
+        checked = tuple(kind.check_level(level) for level in levels)
         for before, after in zip(checked, checked[1:]):
-            if compressor.aggressiveness(after) < compressor.aggressiveness(before):
+            if kind.aggressiveness(after) < kind.aggressiveness(before):
                 raise ValueError(
                     "levels must go from the mildest to the most aggressive, each compressing "
                     "at least as much as the one before (with two, aggressive must compress "
-                    f"at least as much as mild): got {compressor.name} levels {checked!r}, "
-                    f"where {compressor.label(after)} compresses less than "
-                    f"{compressor.label(before)}"
+                    f"at least as much as mild): got {kind.name} levels {checked!r}, "
+                    f"where {kind.label(after)} compresses less than {kind.label(before)}"
                 )
-        self.compressor = compressor
+        self.kind = kind
         self.levels = checked
         self._adaptive = len(set(checked)) > 1  # asked per bucket: computed once
+
+    @property
+    def compressor(self) -> Any:
+        """The level kind, under the name a ladder of compressor levels has always used."""
+        return self.kind
 
     @property
     def mildest(self) -> Any:
@@ -83,4 +118,4 @@ class Ladder:
         return self.levels[rung]
 
     def __repr__(self) -> str:
-        return f"Ladder({self.compressor.name}, {self.levels!r})"
+        return f"Ladder({self.kind.name}, {self.levels!r})"
