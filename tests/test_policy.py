@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from accordion.batch import BatchSizes
 from accordion.compress import PowerSGD, TopK
 from accordion.ddp import AccordionState, accordion_hook
 from accordion.policy import Ladder, Observation, PaperRule, Schedule
@@ -46,6 +47,32 @@ def test_a_ladder_of_a_bare_string_is_a_type_error():
 def test_a_rung_outside_the_ladder_is_rejected(rung, error):
     with pytest.raises(error, match="rung of 'w'"):
         Ladder(PowerSGD, (4, 2, 1)).check_rung("w", rung)
+
+
+def test_a_ladder_of_a_compressor_keeps_it_as_its_kind_and_compressor():
+    ladder = Ladder(PowerSGD, (4, 2, 1))
+    assert ladder.kind is ladder.compressor is PowerSGD
+    assert repr(ladder) == "Ladder(powersgd, (4, 2, 1))"
+
+
+def test_a_ladder_holds_batch_sizes_smallest_first():
+    ladder = Ladder(BatchSizes, (512, 4096))
+    assert (ladder.mildest, ladder.most_aggressive, ladder.top) == (512, 4096, 1)
+    assert repr(ladder) == "Ladder(batch, (512, 4096))"
+    assert BatchSizes.label(512) == "batch 512"
+
+
+@pytest.mark.parametrize(
+    ("levels", "error"), [((4096, 512), ValueError), ((0, 512), ValueError), ((8.0, 16), TypeError)]
+)
+def test_a_ladder_of_batch_sizes_out_of_order_or_not_batches_is_rejected(levels, error):
+    with pytest.raises(error, match="levels must|batch size"):
+        Ladder(BatchSizes, levels)
+
+
+def test_a_ladder_of_something_that_is_not_a_level_kind_is_a_type_error():
+    with pytest.raises(TypeError, match="kind must be a level kind.*lacks check_level"):
+        Ladder(type("Kind", (), {"name": "k"}), (1, 2))
 
 
 # --- the schedule -----------------------------------------------------------------------
