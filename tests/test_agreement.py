@@ -126,7 +126,7 @@ def _different_lr(rank, world_size):
     assert _same(state.state_dict(), before)
     # the state is usable: the next agreed call decides as usual
     assert set(state.end_epoch(next_lr=0.1)) == {"0.weight", "2.weight"}
-    assert state.epoch == 1 and state._decay.last_lr == 0.1
+    assert state.epoch == 1 and state.decider.detector.last_lr == 0.1
 
 
 def test_ranks_given_different_next_lr_raise_on_every_rank_and_keep_their_state():

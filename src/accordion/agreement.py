@@ -1,4 +1,5 @@
-"""The ranks' agreement on where they are, before a decision at ``end_epoch``/``end_step``.
+"""The ranks' agreement on where they are, before a decision at ``end_epoch``/``end_step``,
+and on the decision itself (:func:`agreed_rungs`).
 
 Every rank takes the same decision only if every rank asks at the same point: the same
 epoch (or step), the same learning rate, the same decay. A rank that calls ``end_epoch``
@@ -10,12 +11,13 @@ rank that names each rank's values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .compress.transport import AllGather, Exchange
+from .compress.transport import AllGather, Broadcast, Exchange
 
 #: What each call asks the training loop to do, quoted by the error.
 HINTS = {
@@ -73,14 +75,32 @@ def agreement_device(transport: Any, hint: torch.device | None) -> torch.device 
         return hint
     group = getattr(transport, "group", None)
     try:
-        import torch.distributed as dist
-
         backend = str(dist.get_backend(group))
     except (RuntimeError, ValueError):
         return None
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def agreed_rungs(transport: Any, keys: Sequence[str], rungs: Mapping[str, int],
+                 device: torch.device | None = None) -> tuple[dict[str, int], bool]:  # fmt: skip
+    """Rank 0's ``rungs`` of ``keys`` on every rank of ``transport`` (one broadcast; none
+    with a single worker), and whether this rank's differed from them (a rule that read
+    something besides its observation): ranks that sent different collectives would
+    fail or hang at the next step."""
+    if transport.world_size == 1:
+        return dict(rungs), False
+    local = torch.tensor([rungs.get(k, -1) for k in keys], dtype=torch.int64, device=device)
+    agreed = local.clone()
+    transport.run(_single(Broadcast(agreed, 0)))
+    differed = not torch.equal(agreed, local)
+    return {k: int(r) for k, r in zip(keys, agreed.tolist()) if r >= 0}, differed
+
+
+def _single(op: Broadcast) -> Exchange[None]:
+    """An exchange of one collective."""
+    yield [op]
 
 
 def _gathered(op: AllGather) -> Exchange[torch.Tensor]:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._validate import check_int, check_number
-from .compress import Compressor, Dense, ErrorFeedback, LocalTransport, Reducer
+from .compress import Compressor, Dense, ErrorFeedback, LocalTransport, Reducer, TorchTransport
+from .compress.transport import group_transport
 from .costmodel import TensorCost, choose_dense, fit_link, transfer_time
 
 #: Smallest all-reduce timed (bytes): mostly latency.
@@ -40,23 +40,24 @@ class Link:
     samples: tuple[tuple[int, float], ...]
 
 
-def _agreed_max(values: list[float], group: Any) -> list[float]:
+def _agreed_max(values: list[float], transport: TorchTransport | LocalTransport) -> list[float]:
+    """The maxima of ``values`` over the ranks of ``transport`` (``values`` for one)."""
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    transport.all_reduce(tensor, "max")
     return tensor.tolist()
 
 
-def _time_allreduce(nbytes: int, repeats: int, group: Any) -> float:
+def _time_allreduce(nbytes: int, repeats: int, transport: TorchTransport) -> float:
     tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    dist.all_reduce(tensor, group=group)  # warm-up: connections, allocation
+    transport.all_reduce(tensor)  # warm-up: connections, allocation
     times = []
     for _ in range(repeats):
-        dist.barrier(group=group)
+        transport.barrier()
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
+        transport.all_reduce(tensor)
         times.append(time.perf_counter() - start)
     # the slowest rank's median: that is when every rank has the result
-    return _agreed_max([statistics.median(times)], group)[0]
+    return _agreed_max([statistics.median(times)], transport)[0]
 
 
 def measure_link(
@@ -68,20 +69,21 @@ def measure_link(
     ``max_bytes``; with the 4 KiB one, the fit sees both the latency and the bandwidth.
     Collective: call it on every rank of ``group``; every rank gets the same result.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    transport = group_transport(group)
+    if not isinstance(transport, TorchTransport):
         raise RuntimeError("measure_link needs an initialised process group")
     check_int("repeats", repeats, 1)
     check_number("target_s", target_s, minimum=0, strict=True, unit="seconds")
-    world = dist.get_world_size(group)
-    samples = [(SMALL_BYTES, _time_allreduce(SMALL_BYTES, repeats, group))]
+    samples = [(SMALL_BYTES, _time_allreduce(SMALL_BYTES, repeats, transport))]
     nbytes = 256 * 1024
     while True:
-        seconds = _time_allreduce(nbytes, repeats, group)
+        seconds = _time_allreduce(nbytes, repeats, transport)
         samples.append((nbytes, seconds))
         if seconds >= target_s or nbytes * 2 > max_bytes:
             break
         nbytes *= 2
-    bandwidth, latency = fit_link([s for s, _ in samples], [t for _, t in samples], world)
+    sizes, times = [s for s, _ in samples], [t for _, t in samples]
+    bandwidth, latency = fit_link(sizes, times, transport.world_size)
     return Link(bandwidth, latency, tuple(samples))
 
 
@@ -128,8 +130,8 @@ def measure_compute(
             dense = _time_reducer(Reducer(Dense()), shape, dtype, device, repeats)
             measured[shape] = max(0.0, compressed - dense)
     times = [measured[tuple(s)] for s in shapes]
-    if times and dist.is_available() and dist.is_initialized():
-        times = _agreed_max(times, group)
+    if times:  # over one process (no group initialised), the maxima are the times
+        times = _agreed_max(times, group_transport(group))
     return times
 
 
@@ -173,25 +175,16 @@ def measure_step_compute(
         for param, grad in grads.items():
             param.grad = grad
         torch.set_rng_state(rng)
-    seconds = statistics.median(times)
-    if dist.is_available() and dist.is_initialized():
-        seconds = _agreed_max([seconds], group)[0]
-    return seconds
+    return _agreed_max([statistics.median(times)], group_transport(group))[0]
 
 
 #: DDP's default bucket size (bytes), to estimate the number of buckets.
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
-def calibrate(
-    controller: Any,
-    bandwidth: float | None = None,
-    latency: float | None = None,
-    *,
-    buckets: int | None = None,
-    repeats: int = 5,
-    compute_s: float | None = None,
-) -> dict[str, Any]:
+def calibrate(controller: Any, bandwidth: float | None = None, latency: float | None = None, *,
+              buckets: int | None = None, repeats: int = 5,
+              compute_s: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure what compression costs and saves, and send dense the tensors for which
     it does not pay (the ``auto`` mode). Call it on every rank once the module is bound
     and the process group initialised, before training.
@@ -226,17 +219,12 @@ def calibrate(
     transport = controller.transport()
     world = transport.world_size
     group = getattr(transport, "group", None)
-    bandwidth, latency, samples = _link(bandwidth, latency, world, group)
+    bandwidth, latency, samples = _link(bandwidth, latency, transport)
     if buckets is None:
         total = sum(math.prod(s) * params.element_size[k] for k, s in params.shapes.items())
         buckets = 1 + math.ceil(total / DDP_BUCKET_BYTES)
     costs = _tensor_costs(controller, bandwidth, repeats, world, group if world > 1 else None)
-    applies = controller.compressor.applies_to
-    other = sum(
-        transfer_time(shape, "dense", None, max(world, 2), bandwidth, params.element_size[k])
-        for k, shape in params.shapes.items()
-        if not applies(shape)
-    )
+    other = _uncompressed_s(controller, world, bandwidth)
     size = next(iter(params.element_size.values()), 4)  # DDP's buckets count bytes
     dense = []
     if costs:
@@ -247,13 +235,23 @@ def calibrate(
     return controller.calibration
 
 
-def _link(bandwidth, latency, world: int, group: Any) -> tuple[float, float, list[list[float]]]:
-    """The given link, or one measured over ``group`` with its samples."""
+def _uncompressed_s(controller: Any, world: int, bandwidth: float) -> float:
+    """Seconds per step that the tensors the compressor does not apply to take, dense."""
+    params, applies = controller.params, controller.compressor.applies_to
+    return sum(
+        transfer_time(shape, "dense", None, max(world, 2), bandwidth, params.element_size[k])
+        for k, shape in params.shapes.items()
+        if not applies(shape)
+    )
+
+
+def _link(bandwidth, latency, transport: Any) -> tuple[float, float, list[list[float]]]:
+    """The given link, or one measured over ``transport``'s group with its samples."""
     if bandwidth is not None:
         return bandwidth, latency, []
-    if world == 1:
+    if transport.world_size == 1:
         raise ValueError("a single process has no link to measure: give bandwidth")
-    link = measure_link(group)
+    link = measure_link(transport.group)
     return link.bandwidth, link.latency, [[nbytes, seconds] for nbytes, seconds in link.samples]
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .compress import AllReduce, compressor_class, compressor_names
+from .compress import compressor_class, compressor_names
 from .controller import Controller
 
 
@@ -51,7 +51,7 @@ DEFAULT_LEVELS = _default_levels()
 class AccordionState(Controller):
     """Everything the Accordion hook keeps between steps, per parameter: the controller
     (see :class:`accordion.controller.Controller` for the arguments) plus the DDP hook's
-    work for one bucket."""
+    work for one bucket, one :meth:`~accordion.controller.Controller.reduce` call."""
 
     def register(self, model: nn.Module) -> DistributedDataParallel:
         """Register :func:`accordion_hook` on the DDP module inside ``model`` and return it.
@@ -85,26 +85,15 @@ class AccordionState(Controller):
         """The hook's work for one bucket; see :func:`accordion_hook`."""
         if not isinstance(bucket, dist.GradBucket):
             raise TypeError(_NOT_A_BUCKET.format(type(bucket).__name__))
+        buffer = bucket.buffer()  # the gradients are views of it: averaged in place
         keys = self.params.keys(bucket.parameters())
-        grads = bucket.gradients()  # views into bucket.buffer(): written in place
-        transport = self.transport()
-        world = transport.world_size
-        self.observe(keys, grads, world)
-        if bucket.is_last() and self.interval_unit == "epoch":
-            self.step += 1
-        buffer = bucket.buffer()
-        reducer = self.reducer
-        if any(reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
-               for k, g in zip(keys, grads)):  # fmt: skip
-            exchange = self.exchange(keys, grads, world)
-        else:  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
-            exchange = _dense_buffer(buffer, world)
+        exchange = self.reduce(keys, bucket.gradients(), bucket.is_last(), buffer=buffer)
 
         def unpack(fut: torch.futures.Future) -> torch.Tensor:
             fut.value()  # re-raises an error from the exchange
             return buffer
 
-        return transport.run_async(exchange).then(unpack)
+        return self.transport().run_async(exchange).then(unpack)
 
 
 def check_state(state: object) -> AccordionState:
@@ -200,13 +189,6 @@ def _check_owns(bound: nn.Module, ddp: DistributedDataParallel) -> None:
             f"({type(bound).__name__}) does not own, e.g. {foreign[:3]}: build the "
             "AccordionState from the model that DDP wraps"
         )
-
-
-def _dense_buffer(buffer: torch.Tensor, world: int):
-    """An exchange averaging a flat bucket buffer in place (no copies)."""
-    buffer.div_(world)
-    yield [AllReduce(buffer)]
-    return True
 
 
 def accordion_hook(

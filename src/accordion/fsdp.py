@@ -34,11 +34,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .compress import TorchTransport
 from .controller import Controller
+from .statistic import ShardCombined, make_statistic
 
 
 class _Piece:
@@ -64,30 +64,32 @@ class FSDPState(Controller):
             ``statistic`` is ``"rank0"`` (the default here) or ``"mean"``.
 
     A layer's norm (the rule's statistic) is its whole gradient's: the shards' norms
-    are combined over the shard group at each check, so that every rank takes the same
-    decision for a parameter, as under DDP.
+    are combined over the shard group at each check
+    (:class:`~accordion.statistic.ShardCombined`), so that every rank takes the same
+    decision for a parameter, as under DDP. Every collective goes through a transport:
+    the replicas' (:meth:`transport`) and the shard group's.
     """
 
     def __init__(self, model: nn.Module, mesh: Any, dims: Sequence[str] = ("replicate", "shard"),
                  **options: Any):  # fmt: skip
-        if "process_group" in options or "model" in options:
+        if "process_group" in options or "model" in options or "transport" in options:
             raise ValueError(
                 "FSDPState takes its process group from mesh and its parameters from "
-                "model, not from process_group= or model="
+                "model, not from process_group=, transport= or model="
             )
         # "rank0" by default: the shards' sums are a fraction of the model already
-        if options.setdefault("statistic", "rank0") == "sharded":
+        statistic = options.pop("statistic", "rank0")
+        if statistic == "sharded":
             raise ValueError(
                 "FSDPState takes statistic 'rank0' or 'mean', got 'sharded': its sums are "
                 "sharded over the shard dimension already"
             )
         replicate, shard = _mesh_groups(mesh, dims)
-        super().__init__(None, **options)
-        self.process_group = replicate
-        self._transport = TorchTransport(replicate)
-        self._shard_group = shard
-        self.shard_size = dist.get_world_size(shard)
-        self.shard_rank = dist.get_rank(shard)
+        shards = TorchTransport(shard)
+        super().__init__(None, process_group=replicate, transport=TorchTransport(replicate),
+                         statistic=ShardCombined(make_statistic(statistic), shards),
+                         **options)  # fmt: skip
+        self.shard_size, self.shard_rank = shards.world_size, shards.rank
         self._groups = _hooked_groups(model)
         self._layouts = [self._layout(model, group) for group in self._groups]
         for module, layout in zip(self._groups, self._layouts):
@@ -125,26 +127,8 @@ class FSDPState(Controller):
             )
         keys = [p.key for p in layout]
         grads = [output[p.offset : p.offset + p.numel].view(p.shape) for p in layout]
-        transport = self.transport()
-        world = transport.world_size
-        self.observe(keys, grads, world)
-        if layout is self._layouts[0] and self.interval_unit == "epoch":
-            self.step += 1  # one group counts the backward passes
-        transport.run(self.exchange(keys, grads, world))
-
-    def _agreed_statistics(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The replicas' agreed norms of each shard, combined into the whole parameter's
-        (the square root of the sum of the shards' squares)."""
-        grad_norms, memory_norms = super()._agreed_statistics()
-        if self.shard_size == 1 or not grad_norms:
-            return grad_norms, memory_norms
-        keys = list(grad_norms)
-        squares = [grad_norms[k] ** 2 for k in keys] + [memory_norms[k] ** 2 for k in memory_norms]
-        total = torch.tensor(squares, dtype=torch.float64, device=self.sums.device)
-        dist.all_reduce(total, group=self._shard_group)  # every shard holds the same keys
-        flat = total.sqrt().tolist()
-        grad_norms = dict(zip(keys, flat[: len(keys)]))
-        return grad_norms, dict(zip(memory_norms, flat[len(keys) :]))
+        # one group counts the backward passes
+        self.transport().run(self.reduce(keys, grads, last=layout is self._layouts[0]))
 
     def config(self) -> dict[str, Any]:
         """The settings a checkpoint must share: the controller's and this rank's shard."""
@@ -153,7 +137,7 @@ class FSDPState(Controller):
 
 def _mesh_groups(mesh: Any, dims: Sequence[str]) -> tuple[Any, Any]:
     """The replicate and the shard process group of ``mesh``."""
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh  # lazy: FSDP2's, newer torch only
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
@@ -170,7 +154,7 @@ def _mesh_groups(mesh: Any, dims: Sequence[str]) -> tuple[Any, Any]:
 
 def _hooked_groups(model: nn.Module) -> list[nn.Module]:
     """The FSDP modules of ``model`` that own parameters, after checking the sharding."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP2 exists in newer torch only
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._validate import check_int, check_tensor_shapes
+from ._validate import check_int, check_state_keys, check_tensor_shapes
 
 #: The keys of a :meth:`GradientSums.state_dict`; a plain map of tensors is the sums alone
 #: (checkpoints written before the count of skipped steps).
@@ -151,12 +151,7 @@ class GradientSums:
             raise ValueError(f"accumulators must be a Mapping, got {type(state).__name__}")
         if all(isinstance(t, torch.Tensor) for t in state.values()):
             state = {"sums": state, "steps": {}, "skipped": {}, "skipped_total": {}}
-        unknown, missing = sorted(set(state) - STATE_KEYS), sorted(STATE_KEYS - set(state))
-        if unknown or missing:
-            raise ValueError(
-                f"accumulators must map parameter keys to tensors or hold exactly "
-                f"{sorted(STATE_KEYS)}: unknown keys {unknown}, missing keys {missing}"
-            )
+        check_state_keys(state, STATE_KEYS, "GradientSums")
         sums = _tensors(state["sums"])
         counts = {name: _counts(name, state[name], sums) for name in sorted(STATE_KEYS - {"sums"})}
         steps, total = counts["steps"], counts["skipped_total"]

@@ -70,9 +70,8 @@ def init_process_group(
     ``TORCHELASTIC_RUN_ID``, ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``: outside
     ``torchrun`` any of them missing is a ``ValueError`` naming them (there is no restart
     attempt to keep apart: call ``torch.distributed.init_process_group`` yourself).
-    Rank 0 then deletes the store files of this run's earlier attempts (torchrun
-    stopped their workers, on every node, before this attempt started). A clean
-    ``destroy_process_group`` on every rank deletes the attempt's own file.
+    Rank 0 then deletes the store files of this run's earlier attempts (their workers
+    are stopped); a clean ``destroy_process_group`` deletes the attempt's own file.
 
     Example, ``train.py``, run with
     ``torchrun --standalone --nproc-per-node 2 --max-restarts 3 train.py``::

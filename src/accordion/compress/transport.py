@@ -11,6 +11,11 @@ compressor code run
 * across ``N`` simulated workers inside one process (:class:`SimulatedTransport`), so
   that tests check multi-worker arithmetic without processes, and
 * in a single process with no group at all (:class:`LocalTransport`).
+
+A transport is the one source of the world size, this worker's rank and the group
+(``world_size``, ``rank``, ``group``). :func:`open_transport` opens the controller's (on
+a :func:`private_group`), :func:`group_transport` one over a group as it is;
+``all_reduce`` and ``barrier`` serve measurements (``accordion.calibration``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
+from .._validate import check_choice
 from .wire import allgather_bytes, allreduce_bytes, check_world_size
 
 T = TypeVar("T")
@@ -174,8 +181,18 @@ class LocalTransport:
     tensor (an all-gather's is it with a leading dimension of 1). Nothing is sent."""
 
     world_size = 1
+    #: This worker's rank: 0, the only one.
+    rank = 0
     #: Always 0: a single worker sends nothing.
     bytes_sent = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The reduction over one worker: ``tensor`` itself."""
+        check_op(op)
+        return tensor
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
 
     def run(self, exchange: Exchange[T]) -> T:
         """Run an exchange to completion and return its result."""
@@ -199,27 +216,40 @@ class TorchTransport:
     """Runs exchanges over a real ``torch.distributed`` process group (gloo or NCCL)."""
 
     def __init__(self, group: Any = None):
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchTransport needs an initialised default process group: "
                 "call torch.distributed.init_process_group first"
             )
-        self._dist = dist
         # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.group = group
         self.world_size = dist.get_world_size(group)
+        #: This process's rank in ``group``.
+        self.rank = dist.get_rank(group)
         #: Bytes this worker has sent so far (ring algorithms).
         self.bytes_sent = 0.0
         self._lock = threading.Lock()
         self._queue: deque[tuple[Exchange[Any], torch.futures.Future]] = deque()
         self._busy = False
         self._threads = torch.get_num_threads()  # the caller's intra-op threads
+        self._reduce_ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over the group (``op`` ``"sum"`` or ``"max"``),
+        blocking, outside the queue of exchanges: for measurements (``accordion.calibration``)
+        taken while no exchange runs. Not counted in :attr:`bytes_sent`."""
+        reduce_op = self._reduce_ops.get(op)
+        if reduce_op is None:
+            check_op(op)
+        dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here (for measurements)."""
+        dist.barrier(group=self.group)
 
     def _issue(self, op: Collective) -> tuple[torch.futures.Future, Callable[[], Any]]:
-        dist = self._dist
         self.bytes_sent += collective_bytes(op, self.world_size)
         if isinstance(op, AllReduce):
             work = dist.all_reduce(op.tensor, group=self.group, async_op=True)
@@ -356,7 +386,7 @@ class TorchTransport:
         A bare gloo or NCCL error names neither, and a hang that ends in a timeout is
         otherwise hard to trace back to the exchange that the ranks disagreed on."""
         try:
-            rank = f"rank {self._dist.get_rank()}"
+            rank = f"rank {dist.get_rank()}"
         except Exception:  # noqa: BLE001 - the group may be gone after a failure
             rank = "this rank"
         error = CollectiveError(
@@ -395,8 +425,6 @@ def group_timeout(process_group: Any = None) -> timedelta | None:
     ``torch.distributed`` keeps no public record of it: a group's backend (gloo, NCCL)
     carries it in its options (``options._timeout``, torch 2.x).
     """
-    import torch.distributed as dist
-
     group = process_group if process_group is not None else dist.group.WORLD
     for device in getattr(group, "_device_types", ()):
         try:
@@ -412,11 +440,63 @@ def group_timeout(process_group: Any = None) -> timedelta | None:
 def world_and_rank(group: Any = None) -> tuple[int, int]:
     """``(world size, rank)`` of ``group`` (the default group by default); ``(1, 0)``
     when no process group is initialised."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_op(op: Any) -> str:
+    """``op`` if it names a reduction of :meth:`TorchTransport.all_reduce`, else
+    ``ValueError`` (``TypeError`` for a non-str)."""
+    return check_choice("op", op, ("sum", "max"))
+
+
+def check_process_group(group: Any) -> Any:
+    """``group`` if it is ``None`` or a ``ProcessGroup``; else a ``TypeError`` now rather
+    than a bare ``KeyError`` at the first backward."""
+    if group is None or (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        return group
+    raise TypeError(
+        "process_group must be None (the default group) or a "
+        f"torch.distributed.ProcessGroup (e.g. from dist.new_group), got "
+        f"{type(group).__name__} {group!r:.60}"
+    )
+
+
+def check_timeout(timeout: Any) -> timedelta | None:
+    """``timeout`` if it is ``None`` or a positive ``datetime.timedelta``; else
+    ``TypeError`` or ``ValueError``."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timeout
+
+
+def group_transport(process_group: Any = None) -> TorchTransport | LocalTransport:
+    """A :class:`TorchTransport` over ``process_group`` itself (the default group for
+    ``None``), or a :class:`LocalTransport` when no process group is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return TorchTransport(process_group)
+    return LocalTransport()
+
+
+def open_transport(
+    process_group: Any = None, timeout: timedelta | None = None
+) -> TorchTransport | LocalTransport:
+    """Accordion's transport over the ranks of ``process_group``: a :class:`TorchTransport`
+    on a :func:`private_group` of them (collective: every rank must get here at the same
+    point), or a :class:`LocalTransport` when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalTransport()
+    # A private copy of the group: the hook's phases are issued from completion
+    # callbacks, and on a shared group they could pair up wrongly with collectives that
+    # DDP (e.g. find_unused_parameters) or the loop issue. It inherits the group's
+    # timeout (or ``timeout``), so that a rank that disagrees raises after it instead of
+    # blocking for 30 minutes.
+    return TorchTransport(private_group(process_group, timeout))
 
 
 def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
@@ -429,8 +509,6 @@ def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
     (``new_group`` is collective: every rank creates them in the same order, so the
     cache stays consistent across ranks).
     """
-    import torch.distributed as dist
-
     if timeout is None:
         timeout = group_timeout(process_group)
     ranks = None

@@ -5,15 +5,18 @@
   :class:`DecayDetector` -- the learning-rate decay override;
 * :class:`Rule` -- what is decided, from an :class:`Observation`; :class:`PaperRule` is
   Accordion's rule; :class:`GuardedRule` descends a ladder one rung at a time and steps
-  back when a layer relapses.
+  back when a layer relapses;
+* :class:`Decider` -- the policy over time: the rungs in force, the schedule's position
+  and the decays, from one ``end_epoch``/``end_step`` to the next (``policy.decider``).
 
 Pure logic: plain values in and out, no ``torch.distributed``.
 """
 
 from typing import Any
 
+from .decider import Decider
 from .guarded import GuardedRule
-from .ladder import Ladder
+from .ladder import Ladder, LevelKind
 from .rules import RULE_STATISTICS, Observation, PaperRule, Rule, check_eta, paper_check
 from .schedule import UNITS, DecayDetector, Schedule
 
@@ -33,8 +36,10 @@ __all__ = [
     "RULE_STATISTICS",
     "UNITS",
     "DecayDetector",
+    "Decider",
     "GuardedRule",
     "Ladder",
+    "LevelKind",
     "Observation",
     "PaperRule",
     "Rule",
