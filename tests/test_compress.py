@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accordion.accounting import topk_count, wire_bytes
+from accordion.accounting import wire_bytes
 from accordion.compress import (
     AllReduce,
     Dense,
@@ -24,6 +24,7 @@ from accordion.compress import (
     make_compressor,
     orthogonalize_,
 )
+from accordion.compress.topk import topk_count
 from numerics import assert_equal_up_to_rounding
 
 

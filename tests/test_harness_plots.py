@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from matplotlib import colors as mcolors  # noqa: E402
+
 import accordion  # noqa: E402
 from accordion.harness import plots  # noqa: E402
 
@@ -289,18 +291,20 @@ def test_plots_neither_import_pyplot_nor_touch_the_backend(results, tmp_path):
 
 # ------------------------------------------------------------------ ladders and the registry
 
-# today's colours of the built-in families (the plots before the registry drew these)
+# the colours of the built-in families: each family's hue as the plots before the
+# registry drew it, each level's shade from what it compresses (issue 23: no table of
+# shades per compressor)
 PINNED_STYLES = {
-    "static:powersgd:4": "#418bbf",
-    "static:powersgd:1": "#84b4d6",
-    "static:powersgd:16": "#1f77b4",
-    "accordion:powersgd:4,1": "#d93738",
-    "accordion:powersgd:2,1:auto": "#dc4748",
-    "torch-powersgd:2": "#b495d1",
-    "static:topk:0.99": "#2ca02c",
-    "static:topk:0.01": "#80c680",
-    "static:topk:0.1": "#56b356",
-    "accordion:topk:0.99,0.01": "#ff7f0e",
+    "static:powersgd:4": "#2a7db8",
+    "static:powersgd:1": "#6ba5cd",
+    "static:powersgd:16": "#2077b4",
+    "accordion:powersgd:4,1": "#d72c2d",
+    "accordion:powersgd:2,1:auto": "#d93839",
+    "torch-powersgd:2": "#a57fc8",
+    "static:topk:0.99": "#4eaf4e",
+    "static:topk:0.01": "#8ccb8c",
+    "static:topk:0.1": "#74c074",
+    "accordion:topk:0.99,0.01": "#ff8921",
     "static-batch:64": "#7f7f7f",
 }
 
@@ -311,6 +315,20 @@ def test_strategy_style_keeps_the_colours_of_the_built_in_families():
     assert plots.strategy_style("accordion:powersgd:4,2,1") == plots.strategy_style(
         "accordion:powersgd:4,1"
     )
+
+
+@pytest.mark.parametrize(
+    "levels",
+    [
+        ("static:powersgd:8", "static:powersgd:4", "static:powersgd:2", "static:powersgd:1"),
+        ("static:topk:0.99", "static:topk:0.5", "static:topk:0.1", "static:topk:0.01"),
+        ("static:powersgd1:4", "static:powersgd1:2", "static:powersgd1:1"),
+    ],
+)
+def test_a_level_that_compresses_more_is_a_lighter_shade_of_its_family(levels):
+    # every compressor's levels are shaded from its own cost description: none needs a table
+    lightness = [sum(mcolors.to_rgb(plots.strategy_style(s)["color"])) for s in levels]
+    assert lightness == sorted(lightness) and len(set(lightness)) == len(levels)
 
 
 def _ladder_results(strategy: str, ladder: tuple, per_epoch: list[dict]) -> dict:

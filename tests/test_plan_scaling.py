@@ -14,11 +14,12 @@ import torch
 
 from accordion.accounting import paper_floats, wire_bytes
 from accordion.cli import main
+from accordion.compress import TopK
 from accordion.models import MODEL_NAMES
 from accordion.models.resnet50 import RESNET50_PARAMETERS, ResNet50
 from accordion.models.shapes import SCALE_MODEL_NAMES, named_shapes, plan_model_names
 from accordion.models.transformer import TRANSFORMER_1B_PARAMETERS, Transformer
-from accordion.plan import make_plan, scaling_plan, topk_break_even
+from accordion.plan import make_plan, scaling_plan
 
 BREAK_EVEN_KEYS = {
     "workers", "density", "paper_density", "value_bytes", "index_bytes", "bytes_vs_dense",
@@ -58,7 +59,7 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("workers", [2, 8, 64, 512])
 def test_break_even_density_is_one_over_the_workers_for_fp32_and_int32(workers: int) -> None:
-    entry = topk_break_even([(1000, 512)], workers)
+    entry = TopK.break_even([(1000, 512)], workers)
     assert entry.density == pytest.approx(1 / workers, rel=1e-12)
     assert (entry.value_bytes, entry.index_bytes) == (4, 4.0)
 
@@ -69,7 +70,7 @@ def test_topk_at_the_break_even_sends_the_dense_wire_bytes_within_rounding(
     workers: int, element_size: int
 ) -> None:
     shape = (2048, 1000)
-    density = topk_break_even([shape], workers, element_size).density
+    density = TopK.break_even([shape], workers, element_size).density
     dense = wire_bytes(shape, "dense", None, workers, element_size)
     topk = wire_bytes(shape, "topk", density, workers, element_size)
     # floor(d N) entries kept: at most one entry (its value and index, to W - 1 peers) short
@@ -77,13 +78,13 @@ def test_topk_at_the_break_even_sends_the_dense_wire_bytes_within_rounding(
 
 
 def test_topk_just_above_the_break_even_sends_more_than_dense(resnet50_shapes) -> None:
-    density = topk_break_even(resnet50_shapes, 64).density
+    density = TopK.break_even(resnet50_shapes, 64).density
     dense, above = make_plan(resnet50_shapes, "topk", [density * 1.01], 64, 1, 1.25e9, 0.0)
     assert above.bytes_per_step > dense.bytes_per_step
 
 
 def test_model_break_even_sends_the_dense_model_bytes_within_rounding(resnet50_shapes) -> None:
-    density = topk_break_even(resnet50_shapes, 512).density
+    density = TopK.break_even(resnet50_shapes, 512).density
     dense, topk = make_plan(resnet50_shapes, "topk", [density], 512, 1, 1.25e9, 0.0)
     compressed = sum(len(s) >= 2 for s in resnet50_shapes)
     assert 0 <= dense.bytes_per_step - topk.bytes_per_step <= compressed * 511 * 8
@@ -92,7 +93,7 @@ def test_model_break_even_sends_the_dense_model_bytes_within_rounding(resnet50_s
 @pytest.mark.parametrize("workers", [4, 64])
 def test_paper_break_even_is_one_over_twice_the_workers(workers: int) -> None:
     shape = (4096, 250)
-    entry = topk_break_even([shape], workers)
+    entry = TopK.break_even([shape], workers)
     assert entry.paper_density == pytest.approx(1 / (2 * workers), rel=1e-12)
     topk = paper_floats(shape, "topk", entry.paper_density, workers)
     assert topk == paper_floats(shape, "dense", None, workers)
@@ -100,7 +101,7 @@ def test_paper_break_even_is_one_over_twice_the_workers(workers: int) -> None:
 
 def test_int64_indices_lower_the_break_even_to_two_thirds_over_the_workers() -> None:
     shape = (2**16, 2**15 + 1)  # more than 2**31 - 1 entries: the indices are int64
-    entry = topk_break_even([shape], 8)
+    entry = TopK.break_even([shape], 8)
     assert entry.index_bytes == 8
     assert entry.density == pytest.approx(2 / (3 * 8), rel=1e-12)
     dense = wire_bytes(shape, "dense", None, 8)
@@ -108,11 +109,11 @@ def test_int64_indices_lower_the_break_even_to_two_thirds_over_the_workers() -> 
 
 
 def test_break_even_is_none_for_one_worker() -> None:
-    assert topk_break_even([(10, 10)], 1).density is None
+    assert TopK.break_even([(10, 10)], 1).density is None
 
 
 def test_break_even_is_none_when_topk_compresses_no_tensor() -> None:
-    entry = topk_break_even([(10,), (3,)], 8)
+    entry = TopK.break_even([(10,), (3,)], 8)
     assert (entry.density, entry.paper_density) == (None, None)
 
 

@@ -2,9 +2,10 @@
 
 Two measures are kept apart on purpose:
 
-* **paper floats** -- the convention of the Accordion paper's "Data Sent" columns:
-  a PowerSGD tensor costs ``(n + m) * r'`` floats, a dense tensor ``numel`` floats,
-  a top-k tensor ``2 * floor(k * numel) * W`` floats (values and indices, times the
+* **paper floats** -- the convention of the Accordion paper's "Data Sent" columns, as
+  each compressor's cost description states it (``Compressor.paper_floats``): a
+  PowerSGD tensor costs ``(n + m) * r'`` floats, a dense tensor ``numel`` floats, a
+  top-k tensor ``2 * floor(k * numel) * W`` floats (values and indices, times the
   ``W`` workers of the all-gather). No ring factor.
 * **wire bytes** -- what one worker really puts on the network for the collective
   used, assuming bandwidth-optimal ring algorithms: an all-reduce of ``S`` bytes
@@ -25,35 +26,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._validate import check_int
-from .compress.base import check_shape, sent_as
-from .compress.powersgd import check_rank, matrix_shape, powersgd_rank
-from .compress.topk import INT32_BYTES, INT64_BYTES, check_fraction, index_bytes, topk_count
+from .compress.base import sent_as
+from .compress.cost import check_shape
 from .compress.wire import allgather_bytes, allreduce_bytes, check_world_size
 
 __all__ = [
-    "INT32_BYTES",
-    "INT64_BYTES",
     "LayerTotals",
     "Ledger",
     "allgather_bytes",
     "allreduce_bytes",
-    "check_fraction",
-    "check_rank",
     "check_world_size",
     "effective_kind",
-    "index_bytes",
     "is_compressible",
-    "matrix_shape",
     "paper_floats",
-    "powersgd_rank",
-    "topk_count",
     "wire_bytes",
 ]
 
 
 def is_compressible(shape: Sequence[int]) -> bool:
-    """Whether PowerSGD and top-k compress a tensor of this shape (2 or more dimensions).
-    Other compressors say for themselves: ``compressor_class(name).applies_to(shape)``."""
+    """Whether a tensor of this shape has 2 or more dimensions, which is what a
+    compressor applies to unless it says otherwise; ask the compressor itself:
+    ``compressor_class(name).applies_to(shape)``."""
     return len(shape) >= 2
 
 

@@ -18,7 +18,6 @@ step ends; :meth:`Controller.state_dict` follows ``accordion.checkpoint.format``
 
 # No `from __future__ import annotations`: a DDP hook's annotations are checked at run time.
 import datetime
-import inspect
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,7 +29,7 @@ from .accounting import Ledger
 from .agreement import agreed_rungs, agreement_device, check_agreement
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
-from .compress import AllReduce, Dense, ErrorFeedback, Exchange, Reducer, compressor_class
+from .compress import AllReduce, ErrorFeedback, Exchange, Reducer, compressor_class
 from .compress.transport import check_process_group, check_timeout, open_transport, world_and_rank
 from .params import ParameterTable
 from .policy import Rule, Schedule
@@ -120,12 +119,7 @@ class Controller:
             self.bind_module(model)
 
     def _new_compressor(self):
-        cls = self.ladder.compressor
-        if cls is Dense:
-            return Dense()
-        accepted = inspect.signature(cls).parameters
-        options = {k: v for k, v in self._options.items() if k in accepted}
-        return cls(self.ladder.mildest, **options)
+        return self.ladder.compressor.build(self.ladder.mildest, **self._options)
 
     def _new_reducer(self) -> Reducer:
         return Reducer(self._new_compressor(), ErrorFeedback())

@@ -189,9 +189,10 @@ def choose_dense(
 ) -> list[str]:
     """Keys to send dense: those whose compression costs more than it saves.
 
-    Compression adds ``rounds`` collectives per bucket (the compressor's
-    ``extra_collectives``: PowerSGD's Q, top-k's second all-gather; none for one-round
-    PowerSGD), ``2 (W - 1) latency`` each, counted once any tensor is compressed.
+    Compression adds ``rounds`` collectives per bucket (its cost description's
+    ``extra_collectives``: a second round of factors, a second all-gather; none where
+    they travel with the dense tensors), ``2 (W - 1) latency`` each, counted once any
+    tensor is compressed.
 
     Without ``compute_s`` the transfer is assumed not to overlap computation: each tensor
     is compressed when its own saving (``TensorCost.saving_s``) is positive, and nothing

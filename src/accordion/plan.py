@@ -4,15 +4,16 @@ For each level (and for dense), from the parameter shapes alone: paper-conventio
 per step and over a run, real bytes per step, the compression ratio and the
 communication time per step predicted by the alpha-beta model. The time assumes the
 gradients travel as one bucket the way our reducer sends it: one all-reduce of all the
-dense tensors, plus for PowerSGD one all-reduce of all P factors and one of all Q
-factors, or for top-k one all-gather of values and one of indices. A tensor whose level
-does not pay for it (``Compressor.pays``: it would send at least as much as dense) counts
-dense at that level, as the hook sends it.
+dense tensors, plus one per collective of the compressor's messages (PowerSGD's P and Q
+factors, top-k's values and indices). A tensor whose level does not pay for it
+(``Compressor.pays``: it would send at least as much as dense) counts dense at that
+level, as the hook sends it.
 
-:func:`topk_break_even` says where top-k's all-gather stops paying: the density above
-which it puts more bytes on the wire than a dense ring all-reduce (``1/W`` for fp32
-values and int32 indices). :func:`scaling_plan` repeats the plan over worker counts and
-link rates.
+:func:`break_even` says where a compressor's levels stop paying for a model at a worker
+count, where its cost description has such a point (``Compressor.break_even``: top-k's
+all-gathers put more bytes on the wire than a dense ring all-reduce above a density of
+``1/W`` for fp32 values and int32 indices). :func:`scaling_plan` repeats the plan over
+worker counts and link rates.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._validate import check_int
-from .accounting import INT32_BYTES, check_world_size, index_bytes, paper_floats, wire_bytes
-from .compress import Dense, compressor_class, sent_as
+from .accounting import check_world_size, paper_floats, wire_bytes
+from .compress import BreakEvenDescription, Dense, compressor_class, sent_as
 from .costmodel import allgather_time, allreduce_time, transfer_time
 
 _TIMES = {"allreduce": allreduce_time, "allgather": allgather_time}
@@ -176,50 +177,15 @@ def _compressing(name: str):
     return cls
 
 
-@dataclass(frozen=True)
-class BreakEven:
-    """Where top-k stops paying for a model's tensors at ``workers`` workers.
-
-    ``density`` is the fraction of entries kept above which top-k's two all-gathers (of
-    ``value_bytes`` values and ``index_bytes`` indices per entry) put more bytes on the
-    wire than one ring all-reduce of the same tensors dense; ``None`` when there is no such
-    point (one worker sends nothing, or top-k compresses no tensor). ``paper_density`` is
-    the same point in the paper's floats (``2 k W`` against ``numel``): ``1 / (2 W)``.
-    """
-
-    workers: int
-    density: float | None
-    paper_density: float | None
-    value_bytes: int
-    index_bytes: float
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of the break-even."""
-        return asdict(self)
-
-
-def topk_break_even(
-    shapes: Sequence[Sequence[int]], world_size: int, element_size: int = 4
-) -> BreakEven:
-    """The density (kept fraction, in (0, 1]) at which top-k sends as many wire bytes as
-    dense for the tensors of ``shapes`` it compresses, at ``world_size`` workers.
-
-    Per tensor of ``N`` entries keeping ``k = d N``: top-k sends ``(W - 1) k (e + i)``
-    bytes (all-gathers of ``e``-byte values and ``i``-byte indices), a ring all-reduce
-    ``2 (W - 1) / W * N e``. Summed over the tensors they are equal at
-    ``d = 2 e sum(N) / (W sum(N (e + i)))``: ``1 / W`` for fp32 values and int32 indices.
-    """
-    check_world_size(world_size)
-    check_int("element_size", element_size, 1)
-    sizes = [math.prod(s) for s in shapes if sent_as(tuple(s), "topk") is not Dense]
-    entries = sum(sizes)
-    w = world_size
-    if not entries:
-        return BreakEven(w, None, None, element_size, float(INT32_BYTES))
-    # the bytes per index weighted by entries: int64 only for tensors of >= 2**31 entries
-    index = sum(n * index_bytes(n) for n in sizes) / entries
-    density = None if w == 1 else 2 * element_size / (w * (element_size + index))
-    return BreakEven(w, density, 1 / (2 * w), element_size, index)
+def break_even(
+    shapes: Sequence[Sequence[int]], compressor: str, world_size: int, element_size: int = 4
+) -> BreakEvenDescription | None:
+    """Where the levels of ``compressor`` (a registered name) stop paying against dense
+    for a model of ``shapes`` at ``world_size`` workers, with ``element_size``-byte values:
+    its cost description's :meth:`~accordion.compress.Compressor.break_even` (``None``
+    when it has no such point for any model; a compressor that has one describes it for
+    every model, an empty one included)."""
+    return compressor_class(compressor).break_even(shapes, world_size, element_size)
 
 
 @dataclass(frozen=True)

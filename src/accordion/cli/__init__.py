@@ -1,7 +1,7 @@
 """The ``accordion`` command line, one module per subcommand.
 
 * ``plan.py``: ``accordion plan``, what each compression level would send for a model;
-  ``plan_text.py`` its tables, ``break_even.py`` the top-k break-even it adds.
+  ``plan_text.py`` its tables, ``break_even.py`` the break-even a compressor describes.
 * ``train.py``: ``accordion train`` and ``accordion compare``, over the run settings of
   ``run_config.py`` (their shared flags, the ``TrainConfig`` those make, the checks that
   fail before a worker starts).

@@ -1,51 +1,37 @@
-"""The top-k break-even that ``accordion plan`` adds to a plan: the kept fraction above
-which top-k's all-gathers send more bytes than a dense ring all-reduce.
+"""The break-even that ``accordion plan`` adds to a plan where the compressor's cost
+description has one (:meth:`accordion.compress.Compressor.break_even`; top-k's: the kept
+fraction above which its all-gathers send more bytes than a dense ring all-reduce).
 
-The one place the command line asks which compressor it plans for (it belongs in the
-compressor's own cost description, and is to move there).
+The compressor describes its break-even and writes it for people; this module only
+asks it, so that the command line branches on no compressor's name.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ..plan import topk_break_even
+from ..compress import compressor_class
+from ..plan import break_even
 
 
 def _shows_break_even(compressor: str) -> bool:
-    """Whether the plan of ``compressor`` includes a break-even: top-k's only."""
-    return compressor == "topk"
+    """Whether the plan of ``compressor`` includes a break-even: whether its cost
+    description has one (a compressor that has one describes it for every model, an
+    empty one included)."""
+    return break_even((), compressor, 1) is not None
 
 
 def _break_even(shapes, workers: int, rows) -> dict[str, Any]:
-    """``topk_break_even`` of ``--json``: where top-k stops paying, and each level's bytes
-    against dense's (null where dense sends nothing)."""
+    """The break-even of ``--json``: where the levels' compressor (``rows[1:]``) stops
+    paying, and each level's bytes against dense's (null where dense sends nothing)."""
+    described = break_even(shapes, rows[-1].compressor, workers)
     dense = rows[0].bytes_per_step
     ratios = [row.bytes_per_step / dense if dense else None for row in rows[1:]]
-    return {**topk_break_even(shapes, workers).as_dict(), "bytes_vs_dense": ratios}
-
-
-def _percent(fraction: float) -> str:
-    return f"{fraction * 100:.3g}%"
+    return {**described.as_dict(), "bytes_vs_dense": ratios}
 
 
 def _break_even_line(entry: dict[str, Any], rows) -> str:
-    """The plain form of ``topk_break_even``: the density, the formula, each level's bytes."""
-    w = entry["workers"]
-    head = f"top-k break-even at {w} worker{'s' if w != 1 else ''}: "
-    if entry["density"] is None:
-        why = "one worker sends nothing" if w == 1 else "top-k compresses no tensor"
-        return head + f"none ({why})"
-    density, paper = entry["density"], entry["paper_density"]
-    # the common case reads as the rule it is: 1/W of the entries
-    exact = f"1/{w} = " if math.isclose(density * w, 1.0) else ""
-    value, index = entry["value_bytes"], entry["index_bytes"]
-    ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
-    levels = ", ".join(f"{row.label} {ratio}" for row, ratio in zip(rows[1:], ratios))
-    return (
-        f"{head}density {exact}{_percent(density)} of the entries kept (paper floats: "
-        f"1/{2 * w} = {_percent(paper)})\n  above it, all-gathering {value}-byte values + "
-        f"{index:g}-byte indices sends more than a dense ring all-reduce; bytes against "
-        f"dense: {levels}"
-    )
+    """The plain form of a break-even ``entry`` (of :func:`_break_even`), as the levels'
+    compressor writes it."""
+    cls = compressor_class(rows[-1].compressor)
+    return cls.break_even_text(entry, [row.label for row in rows[1:]])

@@ -64,17 +64,9 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 class EmulatedCluster:
     """``hosts`` emulated hosts joined by a switch over links of ``bandwidth`` each way.
 
-    Args:
-        hosts: number of hosts, 2 to 64.
-        bandwidth: each host's link rate in each direction, e.g. ``"100mbit"``, ``"1gbit"``
-            or ``"12.5MB/s"`` (see :func:`accordion.costmodel.parse_bandwidth`).
-        delay: one-way host-to-host latency, e.g. ``"1ms"`` or ``"0"`` (none); half of it
-            is added on each of the two hops (sender's uplink, receiver's downlink).
-            Needs the kernel's ``netem`` qdisc.
-        name: tag of the namespace names ``acc-<name>-h<i>`` and ``acc-<name>-sw``
-            (lowercase letters and digits, at most 16); default a random one.
-        subnet: first three octets of the hosts' addresses; host ``i`` gets
-            ``<subnet>.<i+1>``. The addresses exist only inside the cluster's namespaces.
+    The arguments (``hosts``, ``bandwidth``, ``delay``, ``name``, ``subnet``) are
+    :class:`EmulatedNetwork`'s: the hosts' addresses exist only inside the cluster's
+    namespaces.
 
     The constructor only checks its arguments (``TypeError``/``ValueError``); entering the
     context builds the cluster (:class:`ClusterError` when that is impossible here) and

@@ -21,8 +21,12 @@ Example, four workers simulated in one process::
     world.run([r.exchange(["w"], g, 4) for r, g in zip(reducers, grads)])
     # every grads[w][0] now holds the same rank-2 estimate of the average
 
-A new compressor is one file: a :class:`Compressor` subclass decorated with
-:func:`register`, imported below.
+A compressor class is the compressor contract in three parts: its level language
+(``levels.py``: parse, check, text, label, order, default levels), its cost description
+(``cost.py``: the tensors it applies to, floats, messages and bytes, whether a level
+pays, warnings, the break-even) and its math and state (``base.py``: ``build``, levels
+per tensor, the exchange, ``state_dict``). A new compressor is one file: a
+:class:`Compressor` subclass decorated with :func:`register`, imported below.
 """
 
 from typing import Any
@@ -30,6 +34,8 @@ from typing import Any
 # Registration order is the order in which the registry lists the compressors.
 # ruff: noqa: I001
 from .base import (
+    RANK_CHANGE_POLICIES,
+    SHARED_OPTIONS,
     Compressor,
     Dense,
     compressing_names,
@@ -42,6 +48,8 @@ from .powersgd import PowerSGD, orthogonalize_
 from .topk import TopK
 from .half import HalfPrecision
 from .powersgd1 import OneRoundPowerSGD
+from .cost import BreakEvenDescription, CostDescription
+from .levels import LevelLanguage
 from .memory import ErrorFeedback, NoMemory
 from .reducer import Reducer
 from .transport import (
@@ -57,14 +65,19 @@ from .transport import (
 )
 
 __all__ = [
+    "RANK_CHANGE_POLICIES",
+    "SHARED_OPTIONS",
     "AllGather",
     "AllReduce",
     "Broadcast",
+    "BreakEvenDescription",
     "Compressor",
+    "CostDescription",
     "Dense",
     "ErrorFeedback",
     "Exchange",
     "HalfPrecision",
+    "LevelLanguage",
     "LocalTransport",
     "NoMemory",
     "OneRoundPowerSGD",
@@ -86,20 +99,11 @@ __all__ = [
 
 
 def make_compressor(name: str, level: Any = None, **options: Any) -> Compressor:
-    """Build a registered compressor by name at ``level`` (its default mild level when
-    ``None``); ``options`` go to its constructor (PowerSGD: ``seed``, ``on_rank_change``)."""
+    """Build the registered compressor ``name`` at ``level`` (its default mild level when
+    ``None``) with the shared ``options`` (``seed``, ``on_rank_change``): its class's
+    :meth:`Compressor.build`. A level that is not one of the compressor's (any but
+    ``None`` for ``dense``) is a ``ValueError``."""
     cls = compressor_class(name)
-    if cls is Dense:
-        if level is not None:
-            raise ValueError(f"level must be None for compressor 'dense', got {level!r}")
-        if options:
-            raise TypeError(f"compressor 'dense' takes no options, got {sorted(options)}")
-        return Dense()
-    try:
-        return cls(**options) if level is None else cls(level, **options)
-    except TypeError as exc:
-        if options and "unexpected keyword" in str(exc):
-            raise TypeError(
-                f"compressor {name!r} does not take options {sorted(options)}"
-            ) from None
-        raise
+    if level is not None:
+        cls.check_level(level)  # build would check it too, but Dense ignores its level
+    return cls.build(level, **options)

@@ -1,5 +1,16 @@
 """The compressor contract, the registry of compressors, and ``Dense``.
 
+The contract has three parts, each in its own module, which :class:`Compressor` combines:
+
+* the level language (``levels.py``, :class:`~accordion.compress.levels.LevelLanguage`):
+  how a level is parsed, checked, written, labelled and ordered, and the default levels;
+* the cost description (``cost.py``, :class:`~accordion.compress.cost.CostDescription`):
+  which tensors it applies to, what one costs at a level in the paper's floats and in
+  messages on the wire, whether a level pays for a shape, warnings about a level and the
+  break-even of a model;
+* the math and state (here): how to build one (:meth:`Compressor.build`), the level of
+  each tensor, the exchange, and the state a checkpoint keeps.
+
 A compressor's ``exchange(keys, tensors, world_size)`` is a generator that yields
 communication phases to a transport (see ``transport.py``) and returns, for each input
 tensor, ``(average, residual)``:
@@ -14,72 +25,67 @@ the inputs, modified in place). All inputs of one call share a dtype and a devic
 compressor holds a level per key and any warm-start state; error-feedback memory lives
 in ``memory.py``.
 
-A compressor class also *describes itself*, so that nothing else branches on its name:
-its ``name``, how a level is parsed, validated, ordered and labelled, which tensors it
-applies to (``applies_to``), and what one tensor costs at a level, in the paper's floats
-(``paper_floats``) and in messages on the wire (``messages``), and whether a level pays
-for a shape at all (``pays``: it must send less than dense; a tensor at a level that does
-not pay is averaged dense while it stays there). Registering the class (:func:`register`)
-makes it available to the hook, the accounting, the plan, the command line and the
-harness by its name.
+Registering the class (:func:`register`) makes it available to the hook, the
+accounting, the plan, the command line and the harness by its name; none of them
+branches on it.
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from abc import abstractmethod
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from .._validate import check_state_keys
+from .cost import REFERENCE_ELEMENT_SIZE, CostDescription, check_shape
+from .levels import LevelLanguage
 from .transport import AllReduce, Exchange
-from .wire import Message, ring_bytes
+from .wire import Message
+
+__all__ = [
+    "REFERENCE_ELEMENT_SIZE",
+    "RANK_CHANGE_POLICIES",
+    "SHARED_OPTIONS",
+    "Compressor",
+    "Dense",
+    "check_shape",
+    "compressing_names",
+    "compressor_class",
+    "compressor_names",
+    "into",
+    "register",
+    "sent_as",
+]
 
 Result = list[tuple[torch.Tensor, torch.Tensor | None]]
 
-
-#: Bytes per element at which :meth:`Compressor.pays` compares a level with dense: fp32,
-#: what gradients are kept in (under AMP too), so the decision never depends on a dtype.
-REFERENCE_ELEMENT_SIZE = 4
-
-
-def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """Validate a tensor shape (a sequence of ints >= 0) and return it as a tuple."""
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError as exc:
-        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from exc
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must have non-negative sizes, got {shape!r}")
-    return dims
+#: The values of the shared option ``on_rank_change``: what a level change does to a
+#: compressor's warm-start state (``"reuse"``: keep what still fits; ``"redraw"``: draw
+#: it again from the shared seed).
+RANK_CHANGE_POLICIES = ("redraw", "reuse")
+#: The options :meth:`Compressor.build` takes for every compressor, each using those it
+#: has: ``seed`` (an int shared by all workers for random state) and ``on_rank_change``
+#: (one of :data:`RANK_CHANGE_POLICIES`).
+SHARED_OPTIONS = ("seed", "on_rank_change")
 
 
-class Compressor(ABC):
+class Compressor(LevelLanguage, CostDescription):
     """A gradient compressor with a level per tensor that may change at any step.
 
     Subclasses set ``name``, ``default_levels`` (the default ``(mild, aggressive)``) and
     ``level_help`` (what a level is, for error messages), and implement ``check_level``,
-    ``exchange``, ``paper_floats`` and ``messages``; the others have defaults.
+    ``exchange``, ``paper_floats`` and ``messages``; the others have defaults. A class
+    whose constructor takes shared options (:data:`SHARED_OPTIONS`) overrides
+    :meth:`_construct` to pass them on.
     """
 
-    #: The registry name ("powersgd"); also the accounting kind.
-    name: ClassVar[str]
-    #: Default (mild, aggressive) levels: the paper's ResNet-18 settings where it has them.
-    default_levels: ClassVar[tuple[Any, Any]]
-    #: What a level is, as error messages say it ("an integer rank >= 1").
-    level_help: ClassVar[str]
-    #: How a level is read from its text, before ``check_level`` (``int`` for ranks).
-    level_type: ClassVar[Callable[[str], Any]] = str
-    #: The compressor's name in prose ("PowerSGD").
-    title: ClassVar[str] = ""
     #: The keys of :meth:`state_dict` (subclasses with more state add theirs), and keys
     #: that older checkpoints may lack.
     STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"kind", "default_level", "levels"})
     OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset()
-    #: Collectives per bucket that compressing adds to the dense all-reduce, each paying
-    #: the link's latency (PowerSGD's Q round); the cost model charges them.
-    extra_collectives: ClassVar[int] = 1
 
     def __init__(self, level: Any = None):
         self.default_level = self.check_level(level)
@@ -90,89 +96,29 @@ class Compressor(ABC):
         """The registry name (kept for callers of the first API)."""
         return self.name
 
-    # --- self-description (class level: no instance needed) ------------------------------
-
     @classmethod
-    @abstractmethod
-    def check_level(cls, level: Any) -> Any:
-        """Validate a level and return it normalised; raise ``TypeError``/``ValueError``."""
+    def build(cls, level: Any = None, **options: Any) -> Compressor:
+        """A new compressor of this class at default level ``level`` (the class's own
+        default when ``None``; ``Dense`` has one level and ignores it).
 
-    @classmethod
-    def parse_level(cls, text: str) -> Any:
-        """A level from its text form (command line, strategy strings)."""
-        if not isinstance(text, str):
-            raise TypeError(f"level text must be a str, got {text!r}")
-        try:
-            value = cls.level_type(text.strip())
-        except (TypeError, ValueError):
-            title = cls.title or cls.name
-            raise ValueError(f"a {title} level must be {cls.level_help}, got {text!r}") from None
-        return cls.check_level(value)
-
-    @classmethod
-    def level_text(cls, level: Any) -> str:
-        """The text form of ``level``, which :meth:`parse_level` reads back."""
-        return f"{level:g}" if isinstance(level, float) else str(level)
-
-    @classmethod
-    def label(cls, level: Any) -> str:
-        """A human label of ``level`` for tables and plots ("rank 4")."""
-        return cls.level_text(level)
-
-    @classmethod
-    def aggressiveness(cls, level: Any) -> float:
-        """A number that orders levels: larger compresses more (equal: as much)."""
-        return 0.0
-
-    @classmethod
-    def applies_to(cls, shape: Sequence[int]) -> bool:
-        """Whether tensors of this shape go through the compressor (else they go dense)."""
-        return len(shape) >= 2
-
-    @classmethod
-    def pays(cls, shape: Sequence[int], level: Any) -> bool:
-        """Whether ``level`` sends less than dense for a tensor of ``shape`` that the
-        compressor applies to; where it does not, the tensor is averaged dense at that
-        level (the reducer, the accounting and the plan all say so).
-
-        Compares the bytes one worker hands its collectives (:meth:`messages`, before the
-        ring factor) with the dense tensor's, both at :data:`REFERENCE_ELEMENT_SIZE`
-        bytes per element: bytes, since the paper's floats do not see a float's width
-        (half precision) and count top-k's indices only as floats; before the ring
-        factor, since it must be a pure function of ``(shape, level)``, the same on every
-        rank, at every world size and in the plan (top-k's all-gather grows with the
-        workers besides: see :func:`accordion.plan.topk_break_even`). An empty tensor
-        sends nothing either way: it pays. Override it for another rule (top-k does:
-        a fraction is a choice of level, the same share of every tensor).
+        ``options`` are shared ones (:data:`SHARED_OPTIONS`: ``seed``,
+        ``on_rank_change``), which every class accepts and each uses those it has; any
+        other is a ``TypeError`` naming it and the allowed ones. The one way to build a
+        compressor from its registry name's class (:func:`compressor_class`).
         """
-        dims = check_shape(shape)
-        numel = math.prod(dims)
-        sent = sum(m.nbytes for m in cls.messages(dims, level, REFERENCE_ELEMENT_SIZE))
-        return numel == 0 or sent < numel * REFERENCE_ELEMENT_SIZE
+        unknown = sorted(set(options) - set(SHARED_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"compressor {cls.name!r} got unknown options {unknown}: the options are "
+                f"{SHARED_OPTIONS} (each compressor uses those it has)"
+            )
+        return cls._construct(level, options)
 
     @classmethod
-    def level_warning(cls, shapes: Sequence[tuple[int, ...]], level: Any) -> str | None:
-        """Why ``level`` would be pointless for a model whose compressed tensors have
-        ``shapes`` (e.g. it sends more than dense for every one), or ``None``. The
-        controller lists the tensors that go dense at a level (:meth:`pays`) itself."""
-        return None
-
-    @classmethod
-    @abstractmethod
-    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
-        """Floats one worker sends for one tensor it applies to, in the paper's convention."""
-
-    @classmethod
-    @abstractmethod
-    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
-        """What one tensor it applies to adds to the collectives of one step."""
-
-    @classmethod
-    def wire_bytes(
-        cls, shape: tuple[int, ...], level: Any, world_size: int, element_size: int
-    ) -> float:
-        """Bytes one worker puts on the wire for one tensor it applies to (ring algorithms)."""
-        return ring_bytes(cls.messages(shape, level, element_size), world_size)
+    def _construct(cls, level: Any, options: Mapping[str, Any]) -> Compressor:
+        """:meth:`build`'s constructor call, ``options`` checked already: by default the
+        level alone (the shared options unused)."""
+        return cls() if level is None else cls(level)
 
     # --- levels per key -------------------------------------------------------------------
 
@@ -228,16 +174,12 @@ class Compressor(ABC):
 
     def _checked_levels(self, state: Any) -> tuple[Any, dict[Hashable, Any]]:
         """Validate a state's kind and keys (``STATE_KEYS``); return its levels."""
-        if not isinstance(state, Mapping) or state.get("kind") != self.name:
-            got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"state is for compressor kind {got!r}, not {self.name!r}")
-        missing = sorted(self.STATE_KEYS - set(state))
-        unknown = sorted(set(state) - self.STATE_KEYS - self.OPTIONAL_STATE_KEYS, key=repr)
-        if missing or unknown:
+        # the kind first: another compressor's state is named as such, not by its keys
+        if isinstance(state, Mapping) and state.get("kind") != self.name:
             raise ValueError(
-                f"state is not a {type(self).__name__} state_dict: missing keys {missing}, "
-                f"unknown keys {unknown}"
+                f"state is for compressor kind {state.get('kind')!r}, not {self.name!r}"
             )
+        check_state_keys(state, self.STATE_KEYS, type(self).__name__, self.OPTIONAL_STATE_KEYS)
         levels = state["levels"]
         if not isinstance(levels, Mapping):
             raise ValueError(f"compressor levels must be a Mapping, got {type(levels).__name__}")
@@ -329,6 +271,11 @@ class Dense(Compressor):
 
     def __init__(self) -> None:
         super().__init__(None)
+
+    @classmethod
+    def _construct(cls, level: Any, options: Mapping[str, Any]) -> Dense:
+        """``Dense()``: its one level is ``None``, whatever ``level`` says."""
+        return cls()
 
     @classmethod
     def check_level(cls, level: Any) -> None:

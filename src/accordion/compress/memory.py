@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._validate import check_tensor_shapes
+from .._validate import check_state_keys, check_tensor_shapes
 
 
 class ErrorFeedback:
@@ -72,12 +72,7 @@ class ErrorFeedback:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore memories saved by :meth:`state_dict`; anything else raises
         ``ValueError`` naming the bad entry, and changes nothing."""
-        if not isinstance(state, Mapping) or set(state) != {"memory"}:
-            got = sorted(state, key=repr) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(
-                f"state must come from ErrorFeedback.state_dict() (exactly the key 'memory'), "
-                f"got {got}"
-            )
+        check_state_keys(state, frozenset({"memory"}), "ErrorFeedback")
         memory = state["memory"]
         if not isinstance(memory, Mapping):
             raise ValueError(f"memory must be a Mapping, got {type(memory).__name__}")

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from .._validate import check_int
-from .base import Compressor, Result, check_shape, register
+from .base import RANK_CHANGE_POLICIES, Compressor, Result, register
+from .cost import check_shape
 from .transport import AllReduce, Exchange
 from .wire import Message
 
@@ -123,7 +124,7 @@ class PowerSGD(Compressor):
     OPTIONAL_STATE_KEYS = frozenset({"on_rank_change"})  # absent in older checkpoints
     level_type = int
     title = "PowerSGD"
-    RANK_CHANGE_POLICIES = ("redraw", "reuse")
+    RANK_CHANGE_POLICIES = RANK_CHANGE_POLICIES  # the shared option's values, kept here too
 
     def __init__(self, rank: int = 2, seed: int = 0, on_rank_change: str = "reuse"):
         super().__init__(rank)
@@ -138,6 +139,11 @@ class PowerSGD(Compressor):
         self._q: dict[Hashable, torch.Tensor] = {}
         self._q_level: dict[Hashable, int] = {}
         self._seed_q: dict[tuple[Hashable, int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    @classmethod
+    def _construct(cls, level: Any, options: Mapping[str, Any]) -> PowerSGD:
+        """Both shared options, ``seed`` and ``on_rank_change``, go to the constructor."""
+        return cls(**options) if level is None else cls(level, **options)
 
     @classmethod
     def check_level(cls, level: Any) -> int:

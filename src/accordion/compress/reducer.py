@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .._validate import check_state_keys
 from .base import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory
 from .transport import Exchange, parallel
 from .wire import check_world_size
 
-#: The keys of a state_dict, and all it may hold (older ones lack the last two).
+#: The keys of a state_dict, and those older ones lack.
 _STATE_KEYS = frozenset({"compressor", "memory"})
-_ALL_STATE_KEYS = _STATE_KEYS | {"dense_keys", "non_finite_steps"}
+_OPTIONAL_STATE_KEYS = frozenset({"dense_keys", "non_finite_steps"})
 
 
 class Reducer:
@@ -130,14 +131,7 @@ class Reducer:
         """Restore a :meth:`state_dict`. Anything else (a different compressor, a missing
         or unknown key, a bad value) raises ``ValueError`` naming it, and changes nothing:
         every part is checked before any is replaced."""
-        given = set(state) if isinstance(state, Mapping) else set()
-        missing, unknown = sorted(_STATE_KEYS - given), sorted(given - _ALL_STATE_KEYS, key=repr)
-        if not isinstance(state, Mapping) or missing or unknown:
-            raise ValueError(
-                "state must come from Reducer.state_dict() (keys 'compressor', 'memory', "
-                f"'dense_keys', 'non_finite_steps'): missing keys {missing}, unknown keys "
-                f"{unknown}"
-            )
+        check_state_keys(state, _STATE_KEYS, "Reducer", _OPTIONAL_STATE_KEYS)
         dense = state.get("dense_keys", [])
         try:
             if isinstance(dense, str | bytes | Mapping):
@@ -282,7 +276,7 @@ class Reducer:
             self._slots[key] = self._next_slot
             self._next_slot += 1
         memories = [self.memory.get(k) for k in keys]
-        if self._can_home(memories, grads):
+        if _can_home(memories, grads, self._live_bytes):
             return memories
         like = grads[0]
         flat = like.new_empty(sum(g.numel() for g in grads))
@@ -291,21 +285,6 @@ class Reducer:
             homes.append(flat[offset : offset + g.numel()].view(g.shape))
             offset += g.numel()
         return homes
-
-    def _can_home(self, memories: list[Any], grads: Sequence[torch.Tensor]) -> bool:
-        previous = None
-        for m, g in zip(memories, grads):
-            if m is None or not m.is_contiguous() or (m.shape, m.dtype, m.device) != (
-                g.shape, g.dtype, g.device
-            ):  # fmt: skip
-                return False
-            if previous is not None and previous.shape == m.shape:
-                end = previous.data_ptr() + previous.numel() * previous.element_size()
-                if m.data_ptr() != end:
-                    return False
-            previous = m
-        live = self._live_bytes()
-        return all(live.get(address) == size for address, size in map(_storage, memories))
 
     def _live_bytes(self) -> dict[int, int]:
         """Bytes of live memory per storage (by its address), counted again after a
@@ -325,6 +304,26 @@ class Reducer:
         if old is None or residual is None or _storage(old)[0] != _storage(residual)[0]:
             self._live = None
         self.memory.update(key, residual)
+
+
+def _can_home(
+    memories: list[Any], grads: Sequence[torch.Tensor], live_bytes: Callable[[], dict[int, int]]
+) -> bool:
+    """Whether ``memories`` can serve as the inputs of ``grads`` (see
+    :meth:`Reducer._homes`); ``live_bytes()`` counts the live memory per storage."""
+    previous = None
+    for m, g in zip(memories, grads):
+        if m is None or not m.is_contiguous() or (m.shape, m.dtype, m.device) != (
+            g.shape, g.dtype, g.device
+        ):  # fmt: skip
+            return False
+        if previous is not None and previous.shape == m.shape:
+            end = previous.data_ptr() + previous.numel() * previous.element_size()
+            if m.data_ptr() != end:
+                return False
+        previous = m
+    live = live_bytes()
+    return all(live.get(address) == size for address, size in map(_storage, memories))
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

@@ -1,17 +1,22 @@
-"""Top-k sparsification: the largest entries by magnitude, values and indices gathered."""
+"""Top-k sparsification: the largest entries by magnitude, values and indices gathered;
+and top-k's break-even, the kept fraction above which its all-gathers send more bytes
+than a dense ring all-reduce (:class:`BreakEven`)."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from .base import Compressor, Result, check_shape, into, register
+from .._validate import check_int
+from .base import Compressor, Result, into, register
+from .cost import check_shape
 from .transport import AllGather, Exchange
-from .wire import Message
+from .wire import Message, check_world_size
 
 #: Bytes of an int32 index; top-k indices are int32 whenever the tensor has < 2**31 entries.
 INT32_BYTES = 4
@@ -39,6 +44,33 @@ def index_bytes(numel: int) -> int:
     return INT32_BYTES if numel <= 2**31 - 1 else INT64_BYTES
 
 
+@dataclass(frozen=True)
+class BreakEven:
+    """Where top-k stops paying for a model's tensors at ``workers`` workers
+    (:meth:`TopK.break_even`).
+
+    ``density`` is the fraction of entries kept above which top-k's two all-gathers (of
+    ``value_bytes`` values and ``index_bytes`` indices per entry) put more bytes on the
+    wire than one ring all-reduce of the same tensors dense; ``None`` when there is no such
+    point (one worker sends nothing, or top-k compresses no tensor). ``paper_density`` is
+    the same point in the paper's floats (``2 k W`` against ``numel``): ``1 / (2 W)``.
+    """
+
+    workers: int
+    density: float | None
+    paper_density: float | None
+    value_bytes: int
+    index_bytes: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the break-even."""
+        return asdict(self)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
+
+
 @register
 class TopK(Compressor):
     """Top-k sparsification: per tensor keep the ``floor(fraction * numel)`` (>= 1) entries
@@ -46,7 +78,7 @@ class TopK(Compressor):
     world size (the average, not the sum). Indices travel as int32 when they fit.
 
     Values and indices cost ``k (4 + 4)`` bytes against ``4 numel`` dense (fp32), and
-    the all-gather more with every worker (``accordion.plan.topk_break_even``): the
+    the all-gather more with every worker (:meth:`break_even`): the
     paper's mild 99% sends about 8x dense at 4 workers. Unlike a PowerSGD rank, that is
     the same for every tensor, a choice of level rather than of a layer's shape, so top-k
     always compresses at its level (:meth:`pays` is true): the paper's top-k runs and its
@@ -97,6 +129,52 @@ class TopK(Compressor):
         k = topk_count(numel, check_fraction(level))
         return [Message("allgather", "values", k * element_size),
                 Message("allgather", "indices", k * index_bytes(numel))]  # fmt: skip
+
+    @classmethod
+    def break_even(
+        cls, shapes: Sequence[Sequence[int]], world_size: int, element_size: int = 4
+    ) -> BreakEven:
+        """The density (kept fraction, in (0, 1]) at which top-k sends as many wire bytes
+        as dense for the tensors of ``shapes`` it compresses, at ``world_size`` workers.
+
+        Per tensor of ``N`` entries keeping ``k = d N``: top-k sends ``(W - 1) k (e + i)``
+        bytes (all-gathers of ``e``-byte values and ``i``-byte indices), a ring all-reduce
+        ``2 (W - 1) / W * N e``. Summed over the tensors they are equal at
+        ``d = 2 e sum(N) / (W sum(N (e + i)))``: ``1 / W`` for fp32 values and int32
+        indices.
+        """
+        check_world_size(world_size)
+        check_int("element_size", element_size, 1)
+        sizes = [math.prod(s) for s in shapes if cls.applies_to(tuple(s))]
+        entries = sum(sizes)
+        w = world_size
+        if not entries:
+            return BreakEven(w, None, None, element_size, float(INT32_BYTES))
+        # the bytes per index weighted by entries: int64 only for tensors of >= 2**31 entries
+        index = sum(n * index_bytes(n) for n in sizes) / entries
+        density = None if w == 1 else 2 * element_size / (w * (element_size + index))
+        return BreakEven(w, density, 1 / (2 * w), element_size, index)
+
+    @classmethod
+    def break_even_text(cls, entry: Mapping[str, Any], labels: Sequence[str]) -> str:
+        """The density, the formula and each level's bytes against dense's."""
+        w = entry["workers"]
+        head = f"top-k break-even at {w} worker{'s' if w != 1 else ''}: "
+        if entry["density"] is None:
+            why = "one worker sends nothing" if w == 1 else "top-k compresses no tensor"
+            return head + f"none ({why})"
+        density, paper = entry["density"], entry["paper_density"]
+        # the common case reads as the rule it is: 1/W of the entries
+        exact = f"1/{w} = " if math.isclose(density * w, 1.0) else ""
+        value, index = entry["value_bytes"], entry["index_bytes"]
+        ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
+        levels = ", ".join(f"{label} {ratio}" for label, ratio in zip(labels, ratios))
+        return (
+            f"{head}density {exact}{_percent(density)} of the entries kept (paper floats: "
+            f"1/{2 * w} = {_percent(paper)})\n  above it, all-gathering {value}-byte values + "
+            f"{index:g}-byte indices sends more than a dense ring all-reduce; bytes against "
+            f"dense: {levels}"
+        )
 
     def exchange(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._validate import check_bool, check_choice, check_int, check_number
-from ..compress import PowerSGD
+from ..compress import RANK_CHANGE_POLICIES
 from ..controller import STATISTICS
 from ..models import MODEL_NAMES
 from .data import check_global_batch, check_task
@@ -106,7 +106,7 @@ class TrainConfig:
             check_number(name, getattr(self, name), minimum=0)
         for i, epoch in enumerate(self.decay_epochs):
             check_int(f"decay_epochs[{i}]", epoch, 0)
-        check_choice("on_rank_change", self.on_rank_change, (None, *PowerSGD.RANK_CHANGE_POLICIES))
+        check_choice("on_rank_change", self.on_rank_change, (None, *RANK_CHANGE_POLICIES))
         check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("statistic", self.statistic, STATISTICS)

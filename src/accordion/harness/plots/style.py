@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from matplotlib import colors as mcolors
 
-from ...compress import compressor_class
+from ...compress import Compressor, compressor_class
 from .common import parsed
 
 # Base colour of each strategy family; the level then lightens it (milder = darker), so
@@ -32,44 +31,53 @@ _BATCH_STYLES = {
     "batch": ("#17becf", "-"),
     "batch-fixed": ("#8c564b", "-."),
 }
-# The shade scale of the compressors with hues above, as a function of a (positive) level;
-# any other compressor's levels are shaded by their aggressiveness (see _ordered_shade).
-_SHADES: dict[str, Callable[[float], float]] = {
-    "powersgd": lambda rank: 0.45 - 0.15 * math.log2(rank),  # rank 8+ darkest, rank 1 lightest
-    "topk": lambda fraction: 0.2 * -math.log10(min(fraction, 1.0)),  # 99% darkest, 1% lightest
-}
+# A large square matrix, fp32: what a level sends for it against dense says how much the
+# level compresses, in the compressor's own cost description (for matrices this large
+# the ratio between two levels hardly depends on the size).
+_REFERENCE_SHAPE = (4096, 4096)
+_REFERENCE_ELEMENT_SIZE = 4
 _MAX_SHADE = 0.5
+# the logistic's slope: the default mild level gets 0.16, the default aggressive 0.34
+_SHADE_SLOPE = 1.5
 
 
-def _ordered_shade(compressor: str, level: Any) -> float:
-    """A level's shade from its aggressiveness: 0 at the compressor's default mild level,
-    0.4 at its default aggressive one; levels it does not order get a shade from a stable
-    hash of their text, so that two such levels still look apart."""
-    try:
-        cls = compressor_class(compressor)
-        mild, aggressive = (cls.aggressiveness(v) for v in cls.default_levels)
-        value = cls.aggressiveness(level)
-        text = cls.level_text(level)
-    except (TypeError, ValueError):
-        return 0.0
-    if aggressive > mild:
-        return 0.4 * (value - mild) / (aggressive - mild)
-    return 0.15 * (zlib.crc32(text.encode()) % 4)
+def _compression(cls: type[Compressor], level: Any) -> float:
+    """log2 of dense's bytes over ``level``'s for the reference matrix (0: as dense)."""
+    shape, size = _REFERENCE_SHAPE, _REFERENCE_ELEMENT_SIZE
+    sent = sum(m.nbytes for m in cls.messages(shape, level, size))
+    if not sent > 0:
+        raise ValueError(f"level {level!r} sends nothing for a {shape} matrix")
+    return math.log2(math.prod(shape) * size / sent)
+
+
+def _position(compressor: str, level: Any) -> float | None:
+    """Where ``level`` lies from the compressor's default mild level (0) to its default
+    aggressive one (1), by how much each compresses the reference matrix or, where the
+    defaults compress alike, by their aggressiveness; ``None`` where neither orders them."""
+    cls = compressor_class(compressor)
+    for measure in (lambda v: _compression(cls, v), cls.aggressiveness):
+        mild, aggressive = (measure(v) for v in cls.default_levels)
+        if aggressive > mild:
+            return (measure(level) - mild) / (aggressive - mild)
+    return None
 
 
 def _lightening(compressor: str, level: Any) -> float:
-    """How much of white to mix into a family colour: 0 for the mildest levels."""
+    """How much of white to mix into a family colour, in ``[0, _MAX_SHADE)``: more for a
+    level that compresses more, from the compressor's own cost description and order
+    (no table per compressor); levels it does not order get a shade from a stable hash
+    of their text, so that two such levels still look apart."""
     if level is None:
         return 0.0
-    shade = _SHADES.get(compressor)
-    if shade is None:
-        mix = _ordered_shade(compressor, level)
-    else:
-        value = float(level)
-        if not value > 0:
-            return 0.0
-        mix = shade(value)
-    return min(max(mix, 0.0), _MAX_SHADE)
+    try:
+        position = _position(compressor, level)
+        text = compressor_class(compressor).level_text(level)
+    except (TypeError, ValueError):
+        return 0.0
+    if position is None:
+        return 0.15 * (zlib.crc32(text.encode()) % 4)
+    # a logistic: every level its own shade, the defaults well apart, none white
+    return _MAX_SHADE / (1.0 + math.exp(-_SHADE_SLOPE * (position - 0.5)))
 
 
 def _family_key(strategy: str) -> tuple[str, str, str, Any]:
