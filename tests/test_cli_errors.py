@@ -252,3 +252,17 @@ def test_the_help_says_what_data_dir_does_for_each_task(capsys, command):
     text = " ".join(capsys.readouterr().out.split())
     assert "mnist1d: directory the generated dataset is cached in" in text
     assert "synthetic: not allowed" in text
+
+
+@pytest.mark.parametrize("seeds,error", [(0, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_compare_refuses_a_bad_seed_count_naming_it_before_any_run(tmp_path, seeds, error):
+    base = compare.TrainConfig(task="synthetic", epochs=1)
+    with pytest.raises(error, match="seeds must be an int >= 1"):
+        compare.run_compare(base, ["dense"], seeds, 1, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.parametrize("workers,error", [(0, ValueError), (True, TypeError), ("2", TypeError)])
+def test_run_distributed_refuses_a_bad_worker_count_naming_it(workers, error):
+    with pytest.raises(error, match="workers must be an int >= 1"):
+        launch.run_distributed(print, workers)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._validate import check_int
 from ..compress import compressor_class
 from .launch import run_distributed
 from .paired import check_baselines, data_sent, final_metric, merge_results, summarize_paired
@@ -60,8 +61,7 @@ def run_compare(
         parse_strategy(text)  # fail before starting any process
     if baseline is not None:
         check_baselines(baseline, list(strategies))
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    check_int("seeds", seeds, 1)
     out = Path(out)
     configs = [
         dataclasses.replace(

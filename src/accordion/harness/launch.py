@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._validate import check_int
 from ..checkpoint.rendezvous import RENDEZVOUS_DIR, default_backend, init_process_group
 
 
@@ -120,8 +121,7 @@ def run_distributed(
             )
         finally:
             _shutdown()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    check_int("workers", workers, 1)
     if workers == 1:
         return _run_alone(fn, args)
     with tempfile.TemporaryDirectory(prefix="accordion-") as tmp:
