@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .._validate import check_state_keys
 from .ladder import Ladder
 
 #: Statistics a rule may ask for beyond the paper's gradient norms.
@@ -120,15 +121,9 @@ def check_rule_state(
     state: Any, owner: str, required: frozenset[str], optional: frozenset[str] = frozenset()
 ) -> None:
     """Raise ``ValueError`` unless ``state`` is a Mapping with the ``required`` keys and
-    no others than the ``optional`` ones (``owner.state_dict()``)."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"state must be a Mapping from {owner}.state_dict(), got {state!r:.80}")
-    missing = sorted(required - set(state))
-    unknown = sorted(set(state) - required - optional, key=repr)
-    if missing or unknown:
-        raise ValueError(
-            f"state is not a {owner} state_dict: missing keys {missing}, unknown keys {unknown}"
-        )
+    no others than the ``optional`` ones (``owner.state_dict()``): the library's one key
+    check, :func:`accordion._validate.check_state_keys`, in a rule's argument order."""
+    check_state_keys(state, required, owner, optional)
 
 
 def loaded_norms(norms: Any, owner: str) -> dict[str, float]:
