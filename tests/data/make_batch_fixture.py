@@ -24,13 +24,11 @@ import sys
 from pathlib import Path
 
 import torch
+from fixture_checks import check_clear_of_threshold
 
 from accordion.batch import BatchSizeController
 
 ETA = 0.5
-#: How far (relative to ETA) every check's ratio must keep from ETA: many orders of
-#: magnitude beyond rounding (about 1e-15 relative here).
-MARGIN = 0.2
 CONFIG = {"small": 8, "large": 32, "micro_batch": 2, "world_size": 2, "interval": 2,
           "eta": ETA, "warmup_steps": 6}  # fmt: skip
 #: Per epoch: (scale of the gradient, optimizer steps, lr_will_decay).
@@ -46,18 +44,6 @@ FIXED = {**CONFIG, "mode": "fixed", "fixed_switch_epoch": 1}
 def make_grads(gen, direction, scale):
     """One step's gradients: ``scale`` times the direction plus noise of 1 %."""
     return [scale * d + 0.01 * torch.randn(d.shape, generator=gen) for d in direction]
-
-
-def check_clear_of_threshold(checks):
-    """Raise unless every finite ratio of ``checks`` keeps ``MARGIN * ETA`` from ``ETA``."""
-    for check in checks:
-        for name, layer in check["layers"].items():
-            ratio = layer["ratio"]
-            if ratio is not None and abs(ratio - ETA) < MARGIN * ETA:
-                raise AssertionError(
-                    f"check {check} of {name}: ratio {ratio} is within {MARGIN:.0%} of eta "
-                    f"{ETA}; another CPU's rounding could flip its decision"
-                )
 
 
 def main():
@@ -76,7 +62,7 @@ def main():
             ctrl.observe(grads)
             ctrl.step()
         decided.append(ctrl.end_epoch(epoch, lr_will_decay=decay))
-    check_clear_of_threshold(ctrl.checks)
+    check_clear_of_threshold(ctrl.checks, ETA)
     out = {
         "config": CONFIG,
         "epochs": EPOCHS,

@@ -14,14 +14,12 @@ import sys
 from pathlib import Path
 
 import torch
+from fixture_checks import check_clear_of_threshold
 from torch import nn
 
 from accordion.ddp import AccordionState
 
 ETA = 2.0
-#: How far (relative to ETA) every check's ratio must keep from ETA: many orders of
-#: magnitude beyond rounding (about 1e-6 relative here).
-MARGIN = 0.2
 
 
 def make_net(seed=0):
@@ -34,18 +32,6 @@ def step(net, state, seed):
     net.zero_grad()
     (net(torch.randn(5, 8, generator=gen))).pow(2).sum().backward()
     state.reduce_gradients()
-
-
-def check_clear_of_threshold(checks):
-    """Raise unless every finite ratio of ``checks`` keeps ``MARGIN * ETA`` from ``ETA``."""
-    for check in checks:
-        for name, layer in check["layers"].items():
-            ratio = layer["ratio"]
-            if ratio is not None and abs(ratio - ETA) < MARGIN * ETA:
-                raise AssertionError(
-                    f"check {check} of {name}: ratio {ratio} is within {MARGIN:.0%} of eta "
-                    f"{ETA}; another CPU's rounding could flip its decision"
-                )
 
 
 out = {}
@@ -62,7 +48,7 @@ for unit in ("epoch", "step"):
     for i in range(5, 9):
         step(net, state, i)
         end(next_lr=0.05)
-    check_clear_of_threshold(state.stats()["checks"])
+    check_clear_of_threshold(state.stats()["checks"], ETA)
     out[unit] = {
         "checkpoint": saved,
         "weights": {k: v.clone() for k, v in net.state_dict().items()},
