@@ -242,7 +242,7 @@ def test_the_cli_rejects_an_unknown_task(capsys):
 
 def test_the_library_never_imports_the_harness():
     code = (
-        "import sys, accordion, accordion.ddp, accordion.compress, accordion.regime, "
+        "import sys, accordion, accordion.ddp, accordion.compress, "
         "accordion.plan, accordion.models, accordion.accounting, accordion.costmodel, "
         "accordion.cli; "
         "print([m for m in sys.modules if m.startswith('accordion.harness')])"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from accordion.batch import BatchSizes
 from accordion.compress import PowerSGD, TopK
 from accordion.ddp import AccordionState, accordion_hook
-from accordion.policy import Ladder, Observation, PaperRule, Schedule
-from accordion.regime import RegimeDetector, StepRegimeDetector
+from accordion.policy import Ladder, PaperRule, Schedule
 from distributed import run_processes
 from rule_after_epoch import ClimbEveryK
 
@@ -88,42 +85,6 @@ def test_a_step_schedule_checks_at_each_window_end_and_always_collects():
     schedule = Schedule(2, "step")
     assert [schedule.check_index(s) for s in range(1, 7)] == [None, 0, None, 1, None, 2]
     assert schedule.collecting(5)
-
-
-# --- the paper's rule decides as the detector always did --------------------------------
-
-
-def _script(seed: int, epochs: int):
-    rng = random.Random(seed)
-    return [
-        ({"a": rng.uniform(0, 4), "b": rng.choice([0.0, rng.uniform(0, 4)])}, rng.random() < 0.15)
-        for _ in range(epochs)
-    ]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_the_paper_rule_on_an_epoch_schedule_decides_as_the_regime_detector(seed):
-    detector, rule, schedule = RegimeDetector(3, 0.4), PaperRule(0.4), Schedule(3, "epoch")
-    ladder, rungs = Ladder(PowerSGD, (2, 1)), {}
-    for epoch, (norms, decay) in enumerate(_script(seed, 20)):
-        index = schedule.check_index(epoch)
-        expected = detector.end_epoch(epoch, norms if index is not None else {}, decay)
-        if index is not None:
-            rungs = rule.decide(Observation(index, "epoch", decay, norms), ladder)
-        elif decay:
-            rungs = dict.fromkeys(rungs, 0)
-        assert {k: r == 0 for k, r in rungs.items()} == expected
-    assert rule.history == detector.history
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_the_paper_rule_on_a_step_schedule_keeps_the_step_detectors_history(seed):
-    detector, rule, ladder = StepRegimeDetector(1, 0.5), PaperRule(0.5), Ladder(TopK, (0.9, 0.1))
-    for window, (norms, decay) in enumerate(_script(seed, 10)):
-        expected = detector.end_window(norms, decay)
-        got = rule.decide(Observation(window, "step", decay, norms), ladder)
-        assert {k: r == 0 for k, r in got.items()} == expected
-    assert rule.history == detector.history
 
 
 # --- a rule plugged in, on a ladder of three rungs ----------------------------------------

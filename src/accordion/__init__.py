@@ -6,7 +6,7 @@ regimes and aggressively elsewhere. Modules:
 * ``accordion.compress`` -- compressors, error-feedback memory and transports;
 * ``accordion.accounting`` -- floats and bytes sent, per tensor and per layer;
 * ``accordion.costmodel`` -- alpha-beta predictions of communication time;
-* ``accordion.regime`` -- the critical-regime detector (pure logic);
+* ``accordion.policy`` -- the critical-regime rule and its schedule (pure logic);
 * ``accordion.models`` -- the paper's models.
 """
 
