@@ -99,19 +99,29 @@ def test_registering_the_same_state_twice_says_it_is_already_registered():
     run_processes(_register_twice, 2)
 
 
-def _register_over_another_hook(rank, world_size):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+def _register_over(rank, world_size, other):
+    """Register Accordion on a DDP module that has ``other`` hook: refused, naming it."""
     ddp = DDP(_net())
-    ddp.register_comm_hook(None, allreduce_hook)
+    if other == "allreduce_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)
+        named = r"already has a comm hook \(allreduce_hook\)"
+    else:  # a built-in (C++) hook is not in _comm_hooks
+        ddp._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+        named = r"already has a comm hook \(.*ALLREDUCE\)"
     state = AccordionState(compressor="powersgd", levels=(2, 1))
-    with pytest.raises(ValueError, match=r"already has a comm hook \(allreduce_hook\)"):
+    with pytest.raises(ValueError, match=named):
         state.register(ddp)
     assert state.params.module is None  # not bound to a module it does not run on
 
 
 def test_registering_on_a_ddp_module_with_another_hook_names_that_hook():
-    run_processes(_register_over_another_hook, 2)
+    run_processes(_register_over, 2, "allreduce_hook")
+
+
+def test_registering_on_a_ddp_module_with_a_builtin_hook_names_that_hook():
+    run_processes(_register_over, 2, "builtin")
 
 
 def _register_over_another_state(rank, world_size):
@@ -124,20 +134,6 @@ def _register_over_another_state(rank, world_size):
 
 def test_registering_over_another_accordion_state_says_so():
     run_processes(_register_over_another_state, 2)
-
-
-def _register_over_a_builtin_hook(rank, world_size):
-    import torch.distributed as dist
-
-    ddp = DDP(_net())
-    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # not in _comm_hooks
-    state = AccordionState(compressor="powersgd", levels=(2, 1))
-    with pytest.raises(ValueError, match=r"already has a comm hook \(.*ALLREDUCE\)"):
-        state.register(ddp)
-
-
-def test_registering_on_a_ddp_module_with_a_builtin_hook_names_that_hook():
-    run_processes(_register_over_a_builtin_hook, 2)
 
 
 def test_find_ddp_raises_type_error_naming_the_model_when_there_is_no_ddp():

@@ -262,21 +262,7 @@ def test_register_works_in_a_job_launched_by_torchrun(tmp_path):
         str(script),
         str(tmp_path),
     ]
-    # a session of its own, so that a hang kills torchrun's workers too
-    launch = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        output, _ = launch.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        raise
-    assert launch.returncode == 0, output[-3000:]
+    _run_in_a_session(command, tmp_path, timeout=90)
     results = _results(tmp_path)
     for r in results:
         assert 0 < r["total"] < r["dense"] and r["params_equal"] and r["rungs_equal"]
@@ -311,15 +297,14 @@ def _launch_accelerate(args: list[str], cwd, timeout: float = 120) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf")}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_CPU"):
         env.pop(name, None)  # set by the in-process tests above: the launcher sets its own
-    launch = subprocess.Popen(
-        [executable, "launch", *args],
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return _run_in_a_session([executable, "launch", *args], cwd, env, timeout)
+
+
+def _run_in_a_session(command: list[str], cwd, env=None, timeout: float = 120) -> str:
+    """Run a launcher's ``command`` in a session of its own, so that a hang kills its
+    workers too; assert it succeeded and return its output."""
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    launch = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True, **out)
     try:
         output, _ = launch.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -21,7 +21,6 @@ The names that lived here before the split are still importable from here.
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import threading
 from collections.abc import Mapping, Sequence
@@ -216,27 +215,13 @@ class EmulatedCluster:
             host, target, args, module=module, port=port, run_id=run_id, python=python
         )
 
-    def run(
-        self,
-        target: str,
-        args: Sequence[str] = (),
-        *,
-        module: bool = True,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        log_dir: str | os.PathLike[str] | None = None,
-        check: bool = True,
-        echo: bool = False,
-        python: str | None = None,
-    ) -> ClusterRun:
+    def run(self, target: str, args: Sequence[str] = (), **options: Any) -> ClusterRun:
         """Run ``target`` with ``args`` on every host as one torchrun job and wait for it:
         a :class:`ClusterRun`, :class:`ClusterRunError` when a host fails (with
-        ``check``), ``TimeoutError`` past ``timeout`` seconds. See
-        :meth:`TorchrunRunner.run`."""
-        return self.runner.run(
-            target, args, module=module, timeout=timeout, env=env, log_dir=log_dir,
-            check=check, echo=echo, python=python,
-        )  # fmt: skip
+        ``check``), ``TimeoutError`` past ``timeout`` seconds. ``options`` are those of
+        :meth:`TorchrunRunner.run` (``module``, ``timeout``, ``env``, ``log_dir``,
+        ``check``, ``echo``, ``python``)."""
+        return self.runner.run(target, args, **options)
 
     def measure_bandwidth(
         self, mbytes: float = 4.0, repeats: int = 3, timeout: float | None = 120.0
