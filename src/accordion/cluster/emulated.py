@@ -63,8 +63,8 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 class EmulatedCluster:
     """``hosts`` emulated hosts joined by a switch over links of ``bandwidth`` each way.
 
-    The arguments (``hosts``, ``bandwidth``, ``delay``, ``name``, ``subnet``) are
-    :class:`EmulatedNetwork`'s: the hosts' addresses exist only inside the cluster's
+    The arguments (``hosts``, ``bandwidth``, ``delay`` and the keywords ``name`` and
+    ``subnet``) are :class:`EmulatedNetwork`'s: the hosts' addresses exist only inside the cluster's
     namespaces.
 
     The constructor only checks its arguments (``TypeError``/``ValueError``); entering the
@@ -74,15 +74,9 @@ class EmulatedCluster:
     on it) are the two parts; the names below are theirs.
     """
 
-    def __init__(
-        self,
-        hosts: int,
-        bandwidth: str,
-        delay: str = "0",
-        name: str | None = None,
-        subnet: str = "10.213.0",
-    ) -> None:
-        self.network = EmulatedNetwork(hosts, bandwidth, delay, name, subnet)
+    def __init__(self, hosts: int, bandwidth: str, delay: str = "0", **network: Any) -> None:
+        # the network's own signature checks the rest (name, subnet)
+        self.network = EmulatedNetwork(hosts, bandwidth, delay, **network)
         self.runner = TorchrunRunner(self.network)
         self._previous_sigterm: Any = None
         self._sigterm_installed = False

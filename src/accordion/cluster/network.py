@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ..costmodel import parse_bandwidth, parse_latency
@@ -81,13 +81,20 @@ def tbf_parameters(rate_bytes: float, hz: int | None = None) -> tuple[int, int, 
     return rate_bits, burst, limit
 
 
-def _check_bandwidth(bandwidth: Any) -> float:
-    if not isinstance(bandwidth, str):
-        raise TypeError(f"bandwidth must be a str such as '100mbit', got {bandwidth!r}")
+def _parse_link(
+    argument: str, value: Any, parse: Callable[[str], float], example: str, what: str
+) -> float:
+    """``value`` parsed by ``parse``; a TypeError or ValueError naming ``argument`` if it is not."""
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str such as {example}, got {value!r}")
     try:
-        rate = parse_bandwidth(bandwidth)
+        return parse(value)
     except ValueError as exc:
-        raise ValueError(f"bandwidth {bandwidth!r} is not a link rate: {exc}") from None
+        raise ValueError(f"{argument} {value!r} is not a {what}: {exc}") from None
+
+
+def _check_bandwidth(bandwidth: Any) -> float:
+    rate = _parse_link("bandwidth", bandwidth, parse_bandwidth, "'100mbit'", "link rate")
     if not MIN_RATE_BITS <= rate * 8 <= MAX_RATE_BITS:
         raise ValueError(
             f"bandwidth must be between 8kbit and 100gbit, got {bandwidth!r} ({rate * 8:g} bit/s)"
@@ -96,12 +103,7 @@ def _check_bandwidth(bandwidth: Any) -> float:
 
 
 def _check_delay(delay: Any) -> float:
-    if not isinstance(delay, str):
-        raise TypeError(f"delay must be a str such as '1ms' or '0', got {delay!r}")
-    try:
-        seconds = parse_latency(delay)
-    except ValueError as exc:
-        raise ValueError(f"delay {delay!r} is not a latency: {exc}") from None
+    seconds = _parse_link("delay", delay, parse_latency, "'1ms' or '0'", "latency")
     if seconds != 0 and not 2e-6 <= seconds <= MAX_DELAY_S:
         raise ValueError(
             f"delay must be '0' or between 2us and {MAX_DELAY_S:g}s (netem's resolution is "

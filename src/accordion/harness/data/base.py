@@ -4,6 +4,7 @@ the helpers that cut a split to a sample count and seed a generator from a key."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,3 +81,18 @@ def generator(*key: int) -> torch.Generator:
     # SeedSequence hashes the whole tuple, so nearby keys give unrelated streams.
     state = np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def first_complete(candidates: list[list[Path]], name: str, hint: str) -> list[Path]:
+    """The first of ``candidates`` (lists of files) whose files all exist.
+
+    Raises FileNotFoundError naming ``name``, every path looked for and ``hint`` (how to get
+    the files: nothing is downloaded) when none is complete.
+    """
+    for paths in candidates:
+        if all(path.is_file() for path in paths):
+            return paths
+    looked_for = ", ".join(str(path) for paths in candidates for path in paths)
+    raise FileNotFoundError(
+        f"{name} files not found; looked for: {looked_for}. Nothing is downloaded: {hint}"
+    )

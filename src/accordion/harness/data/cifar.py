@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import ClassificationData, cut
+from .base import ClassificationData, cut, first_complete
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 """Where to get the CIFAR-10/100 python archives (this module never downloads them)."""
@@ -57,17 +57,13 @@ def cifar_files(name: str, data_dir: Path) -> list[Path]:
 def cifar_folder(name: str, data_dir: Path) -> Path:
     """``data_dir`` or its CIFAR subfolder, whichever holds all the files of ``name``."""
     train_files, test_files = _CIFAR_FILES[name]
-    looked_for: list[Path] = []
-    for candidate in (data_dir, data_dir / _CIFAR_FOLDERS[name]):
-        paths = [candidate / file for file in (*train_files, *test_files)]
-        looked_for.extend(paths)
-        if all(path.is_file() for path in paths):
-            return candidate
-    raise FileNotFoundError(
-        f"{name} files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
-        f"Nothing is downloaded: get the CIFAR python version from {CIFAR_URL}, extract it "
-        f"and pass the extracted folder ({_CIFAR_FOLDERS[name]}) or its parent as data_dir."
+    folders = (data_dir, data_dir / _CIFAR_FOLDERS[name])
+    candidates = [[folder / file for file in (*train_files, *test_files)] for folder in folders]
+    hint = (
+        f"get the CIFAR python version from {CIFAR_URL}, extract it and pass the extracted "
+        f"folder ({_CIFAR_FOLDERS[name]}) or its parent as data_dir."
     )
+    return first_complete(candidates, name, hint)[0].parent
 
 
 def _read_cifar_pickles(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .base import LanguageData, cut
+from .base import LanguageData, cut, first_complete
 
 _WIKITEXT2_HINT = (
     "WikiText-2 (word level) from https://blog.salesforceairesearch.com/"
@@ -39,17 +39,13 @@ def load_wikitext2(
 
 def wikitext_paths(data_dir: Path) -> list[Path]:
     """The train, valid and test files of WikiText-2 in ``data_dir`` or its subfolder."""
-    looked_for: list[Path] = []
-    for folder in (data_dir, data_dir / _WIKITEXT_FOLDER):
-        for naming in _WIKITEXT_NAMINGS:
-            candidate = [folder / naming.format(split=s) for s in ("train", "valid", "test")]
-            looked_for.extend(candidate)
-            if all(path.is_file() for path in candidate):
-                return candidate
-    raise FileNotFoundError(
-        f"wikitext2 files not found; looked for: {', '.join(str(p) for p in looked_for)}. "
-        f"Nothing is downloaded: get {_WIKITEXT2_HINT} and pass its folder as data_dir."
-    )
+    candidates = [
+        [folder / naming.format(split=split) for split in ("train", "valid", "test")]
+        for folder in (data_dir, data_dir / _WIKITEXT_FOLDER)
+        for naming in _WIKITEXT_NAMINGS
+    ]
+    hint = f"get {_WIKITEXT2_HINT} and pass its folder as data_dir."
+    return first_complete(candidates, "wikitext2", hint)
 
 
 def _tokenize(path: Path, vocabulary: dict[str, int], *, grow: bool) -> torch.Tensor:

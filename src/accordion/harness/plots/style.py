@@ -9,19 +9,15 @@ from typing import Any
 import numpy as np
 from matplotlib import colors as mcolors
 
-from ...compress import Compressor, compressor_class
+from ...compress import Compressor, compressing_names, compressor_class
 from .common import parsed
 
 # Base colour of each strategy family; the level then lightens it (milder = darker), so
 # that a family reads as one hue and the static mild/aggressive pair as two shades of it.
-_FAMILY_COLOURS = {
-    "dense": "#000000",
-    "static:powersgd": "#1f77b4",
-    "accordion:powersgd": "#d62728",
-    "torch-powersgd": "#9467bd",
-    "static:topk": "#2ca02c",
-    "accordion:topk": "#ff7f0e",
-}
+_FAMILY_COLOURS = {"dense": "#000000", "torch-powersgd": "#9467bd"}
+# (static, accordion) hues of the registry's compressing compressors, in registry order:
+# by position rather than by name, so that no module here names a compressor
+_COMPRESSOR_HUES = (("#1f77b4", "#d62728"), ("#2ca02c", "#ff7f0e"))
 # families we do not know get one of these, chosen by a stable hash of the family name
 _FALLBACK_COLOURS = ("#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 _FAMILY_LINESTYLES = {"static": "--", "torch-powersgd": "-."}
@@ -92,14 +88,26 @@ def _family_key(strategy: str) -> tuple[str, str, str, Any]:
     return family, key, strat.compressor, strat.mild
 
 
+def _compressor_hue(family: str, compressor: str) -> str | None:
+    """The registry position's hue of a static or Accordion family, if it has one."""
+    names = compressing_names()
+    if family not in ("static", "accordion") or compressor not in names:
+        return None
+    position = names.index(compressor)
+    if position >= len(_COMPRESSOR_HUES):
+        return None
+    return _COMPRESSOR_HUES[position][family == "accordion"]
+
+
 def strategy_style(strategy: str) -> dict[str, Any]:
     """Line style of a strategy, a fixed function of its string: same in every plot.
 
-    Each family has one hue (dense black, static PowerSGD blue, Accordion PowerSGD red,
-    PyTorch's PowerSGD purple, static top-k green, Accordion top-k orange, another
-    compressor's families a hue of their own); more aggressive levels (the mildest rung of
-    an Accordion ladder) are lighter shades of it. Static strategies are dashed, PyTorch's
-    dash-dotted, Accordion and dense solid. Returns ``{"color", "linestyle", "linewidth"}``.
+    Each family has one hue (dense black, PyTorch's PowerSGD purple; the registry's first
+    compressor static blue and Accordion red, today PowerSGD; the second static green and
+    Accordion orange, today top-k; any other compressor's families a hue of their own);
+    more aggressive levels (the mildest rung of an Accordion ladder) are lighter shades of it.
+    Static strategies are dashed, PyTorch's dash-dotted, Accordion and dense solid.
+    Returns ``{"color", "linestyle", "linewidth"}``.
     """
     batch_kind, comm = strategy.partition(":")[0], strategy.partition("+")[2]
     if batch_kind in _BATCH_STYLES:
@@ -107,7 +115,7 @@ def strategy_style(strategy: str) -> dict[str, Any]:
         # a batch strategy combined with compression: the same hue, dotted
         return {"color": colour, "linestyle": ":" if comm else linestyle, "linewidth": 2.0}
     family, key, compressor, level = _family_key(strategy)
-    base = _FAMILY_COLOURS.get(key)
+    base = _FAMILY_COLOURS.get(key) or _compressor_hue(family, compressor)
     if base is None:
         base = _FALLBACK_COLOURS[zlib.crc32(key.encode()) % len(_FALLBACK_COLOURS)]
     mix = _lightening(compressor, level)
