@@ -116,7 +116,10 @@ def useless_levels(ladder: Any, layers: Layers) -> str | None:
     for every layer, so choose a lower rank)."""
     reducer, shapes = layers.reducer, {k: layers.shapes[k] for k in layers.compressed()}
     cls, levels = ladder.compressor, list(dict.fromkeys(ladder.levels))
-    dense_at = {k: [lv for lv in levels if not reducer.pays(s, lv)] for k, s in shapes.items()}
+    dense_at = {
+        k: [lv for lv in levels if cls.applies_at(s, lv) and not reducer.pays(s, lv)]
+        for k, s in shapes.items()
+    }
     dense_at = {k: lv for k, lv in dense_at.items() if lv}
     parts = []
     if dense_at:

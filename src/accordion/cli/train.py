@@ -80,7 +80,15 @@ def _compare_from_files(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         harness_compare.add_paired(results, args.baseline)
         print("\n" + harness_compare.format_paired(results))
+    _print_against_dense(results)
     return 0
+
+
+def _print_against_dense(results: dict) -> None:
+    """The table against uncompressed training, when dense ran."""
+    text = harness_compare.format_dense_table(results)
+    if text is not None:
+        print("\n" + text)
 
 
 def _compare_command(args: argparse.Namespace) -> int:
@@ -102,6 +110,7 @@ def _compare_command(args: argparse.Namespace) -> int:
     print(harness_compare.format_table(results))
     if args.baseline is not None:
         print("\n" + harness_compare.format_paired(results))
+    _print_against_dense(results)
     written = [Path(args.out) / "results.json"]
     if not args.no_plots:
         # matplotlib (an optional extra, and slow to import) only when plots are drawn

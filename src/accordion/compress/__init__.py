@@ -1,7 +1,8 @@
 """Gradient compression in three composable parts, as in GRACE.
 
 * compressors (``Dense``, ``PowerSGD``, ``OneRoundPowerSGD``, ``TopK``,
-  ``HalfPrecision``): what is sent, at a
+  ``HalfPrecision``, ``IntQuantizer``, ``Mixed``: levels of several of them on one
+  ladder): what is sent, at a
   level per tensor that may change at any step; each describes itself (levels, order,
   the tensors it applies to, floats and bytes) and is found by name in one registry;
 * memories (``ErrorFeedback``, ``NoMemory``): what was not sent, added to the next step;
@@ -48,6 +49,8 @@ from .powersgd import PowerSGD, orthogonalize_
 from .topk import TopK
 from .half import HalfPrecision
 from .powersgd1 import OneRoundPowerSGD
+from .mixed import Mixed
+from .quantize import IntQuantizer
 from .cost import BreakEvenDescription, CostDescription
 from .levels import LevelLanguage
 from .memory import ErrorFeedback, NoMemory
@@ -77,8 +80,10 @@ __all__ = [
     "ErrorFeedback",
     "Exchange",
     "HalfPrecision",
+    "IntQuantizer",
     "LevelLanguage",
     "LocalTransport",
+    "Mixed",
     "NoMemory",
     "OneRoundPowerSGD",
     "PowerSGD",

@@ -72,6 +72,14 @@ class CostDescription(ABC):
         return len(shape) >= 2
 
     @classmethod
+    def applies_at(cls, shape: Sequence[int], level: Any) -> bool:
+        """Whether tensors of this shape go through the compressor at ``level``: by default
+        :meth:`applies_to`, whatever the level (a ladder across compressors says per level).
+        A tensor it does not take at a level is sent dense there as a matter of course, not
+        because the level fails to pay."""
+        return cls.applies_to(shape)
+
+    @classmethod
     @abstractmethod
     def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
         """Floats one worker sends for one tensor it applies to, in the paper's convention."""

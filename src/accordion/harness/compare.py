@@ -13,6 +13,7 @@ from typing import Any
 
 from .._validate import check_int
 from ..compress import compressor_class
+from .against_dense import against_dense, format_against_dense
 from .launch import run_distributed
 from .paired import check_baselines, data_sent, final_metric, merge_results, summarize_paired
 from .strategies import parse_strategy
@@ -86,6 +87,7 @@ def run_compare(
     results["table"] = summary_table(results)
     if baseline is not None:
         add_paired(results, baseline)
+    add_against_dense(results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
@@ -267,12 +269,31 @@ def load_results(
     results["table"] = summary_table(results)
     if baseline is not None:
         add_paired(results, baseline)
+    add_against_dense(results)
     return results
+
+
+def add_against_dense(results: dict[str, Any]) -> dict[str, Any] | None:
+    """Store every strategy's paired comparison with ``dense`` in
+    ``results["against_dense"]`` when dense ran (see
+    :func:`~accordion.harness.against_dense.against_dense`) and return it, else ``None``."""
+    summary = against_dense(results)
+    if summary is not None:
+        results["against_dense"] = summary
+    return summary
+
+
+def format_dense_table(results: dict[str, Any]) -> str | None:
+    """``results["against_dense"]`` as text, or ``None`` when dense did not run."""
+    summary = results.get("against_dense")
+    return None if summary is None else format_against_dense(summary, _text_table)
 
 
 __all__ = [
     "RunResult",
+    "add_against_dense",
     "add_paired",
+    "format_dense_table",
     "format_paired",
     "format_table",
     "load_results",

@@ -1,0 +1,342 @@
+"""Integer quantisation: each worker sends its tensors as 8-, 4- or 2-bit integers with
+one fp16 scale per block, the workers all-gather them and average what they receive;
+and where its all-gathers stop paying against a dense ring all-reduce
+(:class:`QuantBreakEven`).
+
+Blocks are per row: a tensor is seen as ``[rows, cols]`` (:func:`block_layout`: its
+first dimension by all the others, so that a block never spans two output channels of
+a convolution; a 1-D tensor or a scalar is one row), each row is cut into blocks of
+:data:`BLOCK` consecutive elements, the last block of a row possibly shorter. A block
+``x`` is sent as its scale ``s``, ``max |x| / q`` with ``q = 2**(bits - 1) - 1``
+rounded up to fp16 (so that no integer is clipped and a non-zero block never gets
+scale 0), and the integers ``round(x / s)`` in ``[-q, q]`` (round half to even): each
+element is off by at most ``s / 2``. A block of zeros has scale 0 and sends zeros.
+
+Wire format of one exchange call: one ``uint8`` payload, each tensor's integers packed
+into its own whole bytes in call order (8 bits: one per byte; 4 bits: two per byte, the
+first in the low nibble; 2 bits: four per byte, the first in the lowest bits), each
+stored as ``integer + 2**(bits - 1)`` (codes ``1 .. 2**bits - 1``); and one ``float16``
+tensor of the tensors' scales, row-major per tensor, in call order. The two travel in
+one phase of two all-gathers.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .._validate import check_int
+from .base import Compressor, Result, register
+from .transport import AllGather, Exchange
+from .wire import Message, check_world_size
+
+#: Elements per block (of one row) that share one scale.
+BLOCK = 64
+#: The bit widths (levels), mildest first.
+BITS = (8, 4, 2)
+#: Bytes of one scale on the wire (fp16).
+SCALE_BYTES = 2
+#: The dtype scales travel in.
+SCALE_DTYPE = torch.float16
+
+
+def block_layout(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of the blocks' view of a tensor of ``shape``: its first dimension
+    by the product of the others for >= 2 dimensions (a matrix's own rows; a
+    convolution's output channels), one row for a 1-D tensor or a scalar. Rows never
+    share a block. Rows of the last dimension alone would cut a 3 x 3 convolution into
+    blocks of 3: ResNet-18 would send 1.69 bytes per element at 8 bits, not 1.03."""
+    numel = math.prod(shape)
+    if len(shape) < 2:
+        return 1, numel
+    rows = shape[0]
+    return rows, (numel // rows if rows else 0)
+
+
+def block_count(shape: Sequence[int]) -> int:
+    """Blocks (hence scales) of a tensor of ``shape``: ``rows * ceil(cols / BLOCK)``."""
+    rows, cols = block_layout(shape)
+    return rows * -(-cols // BLOCK)
+
+
+def max_int(bits: int) -> int:
+    """The largest integer sent at ``bits`` bits: ``2**(bits - 1) - 1`` (symmetric range)."""
+    return 2 ** (bits - 1) - 1
+
+
+def packed_bytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` integers of ``bits`` bits packed: ``ceil(numel * bits / 8)``."""
+    return -(-numel * bits // 8)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values`` (integers in ``[-max_int(bits), max_int(bits)]``, any integer dtype)
+    packed into a flat ``uint8`` tensor of :func:`packed_bytes` bytes (see the module)."""
+    per = 8 // bits
+    codes = (values.reshape(-1).to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
+    if per == 1:
+        return codes
+    pad = -codes.numel() % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    codes = codes.view(-1, per)
+    packed = codes[:, 0].clone()
+    for j in range(1, per):
+        packed |= codes[:, j] << (bits * j)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The ``numel`` integers (``int8``) packed in the last dimension of ``packed`` (a
+    ``uint8`` tensor of ``[..., packed_bytes(numel, bits)]``): ``[..., numel]``."""
+    per = 8 // bits
+    if per == 1:
+        codes = packed
+    else:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
+    return (codes[..., :numel].to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+
+
+def _blocked(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` (``[..., numel]`` of a tensor of ``shape``) as ``[..., rows, blocks per row,
+    BLOCK]``, each row padded with zeros to whole blocks (a view where it needs none)."""
+    rows, cols = block_layout(shape)
+    t = t.reshape(*t.shape[:-1], rows, cols)
+    pad = -cols % BLOCK
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.view(*t.shape[:-1], (cols + pad) // BLOCK, BLOCK)
+
+
+def _unblocked(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The inverse of :func:`_blocked`: ``[..., numel]``, the padding dropped."""
+    rows, cols = block_layout(shape)
+    t = t.reshape(*t.shape[:-3], rows, -1)[..., :cols]
+    return t.reshape(*t.shape[:-2], rows * cols)
+
+
+def _round_up_to_fp16(exact: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 at or above each (non-negative) entry of ``exact``: inf above
+    65504, 0 only for 0."""
+    scales = exact.to(SCALE_DTYPE)
+    below = scales.to(exact.dtype) < exact
+    up = (scales.view(torch.int16) + 1).view(SCALE_DTYPE)  # the next fp16 up (x >= 0)
+    return torch.where(below, up, scales)
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integers (``int8``, flat, ``x.numel()``) and the fp16 scales (flat, one per
+    block: :func:`block_count`) that send ``x`` at ``bits`` bits; computed in fp32 (or
+    ``x``'s dtype, if wider). A block of zeros has scale 0 and integers 0."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    blocks = _blocked(x.detach().reshape(-1).to(dtype), x.shape)
+    q = max_int(bits)
+    scales = _round_up_to_fp16(blocks.abs().amax(dim=-1, keepdim=True) / q)
+    wide = scales.to(dtype)
+    values = torch.where(wide > 0, blocks / wide, 0.0).round_().clamp_(-q, q)
+    return _unblocked(values.to(torch.int8), x.shape), scales.reshape(-1)
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, shape: Sequence[int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """``values * scale`` in ``dtype``: integers ``[..., numel]`` and scales
+    ``[..., blocks]`` of a tensor of ``shape`` (leading dimensions: workers, say), flat."""
+    blocks = _blocked(values.to(dtype), shape)
+    return _unblocked(blocks * scales.to(dtype).view(*blocks.shape[:-1], 1), shape)
+
+
+@dataclass(frozen=True)
+class QuantBreakEven:
+    """Where integer quantisation stops paying for a model's tensors
+    (:meth:`IntQuantizer.break_even`), at ``workers`` workers.
+
+    ``max_workers[i]`` is the worker count at which ``bits[i]``-bit quantisation puts as
+    many bytes on the wire as one dense ring all-reduce of the same tensors
+    (``element_size`` bytes per value): it sends fewer below it, more above it, since
+    each worker's all-gathers grow with the workers and the all-reduce does not. ``None``
+    where quantisation compresses no tensor (a model with no entries).
+    """
+
+    workers: int
+    element_size: int
+    bits: tuple[int, ...]
+    max_workers: tuple[float, ...] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the break-even."""
+        return asdict(self)
+
+
+@register
+class IntQuantizer(Compressor):
+    """Integer quantisation with per-row blocks of :data:`BLOCK` elements, each with one
+    fp16 scale; the level is the bit width, 8, 4 or 2 (see the module for the format).
+
+    Each worker quantises its compensated input ``M`` and all-gathers the packed integers
+    and the scales of all tensors of the call, in one flat payload each; every worker then
+    dequantises the ``W`` payloads, worker 0 first, sums them in fp32 (or the inputs'
+    dtype, if wider) and divides by ``W``, so that every rank computes bitwise the same
+    average, returned in the inputs' dtype. Integers cannot be all-reduced: each worker's
+    scales are its own. The residual is the local quantisation error ``M - dequant(quant(
+    M))``, which error feedback sends with the next step.
+
+    It applies to every tensor, biases and scalars included, and pays for every one
+    (:meth:`Compressor.pays`: at most 3 bytes per element against fp32's 4, for a scalar
+    at 8 bits); but its all-gathers grow with the workers, so that past
+    :meth:`break_even`'s worker count a level sends more than a dense ring all-reduce
+    (about 7.8 workers at 8 bits, 15 at 4 and 28 at 2, for fp32 gradients in full
+    blocks). A scale overflows fp16
+    beyond 65504 (a block's ``max |M|`` above ``65504 q``): the step is then non-finite,
+    as half precision's overflow is, and the :class:`Reducer` resets the memory.
+
+    Args:
+        bits: default level, 8, 4 or 2 bits per element.
+    """
+
+    name = "int"
+    default_levels = (8, 4)
+    level_help = "a bit width: 8, 4 or 2"
+    level_type = int
+    title = "integer quantisation"
+
+    def __init__(self, bits: int = 8):
+        super().__init__(bits)
+
+    @classmethod
+    def check_level(cls, level: Any) -> int:
+        """A bit width: an int, one of :data:`BITS`."""
+        if isinstance(level, bool) or not isinstance(level, numbers.Integral):
+            raise TypeError(f"an integer quantisation level must be {cls.level_help} (an int), "
+                            f"got {level!r}")  # fmt: skip
+        if int(level) not in BITS:
+            raise ValueError(
+                f"an integer quantisation level must be one of {BITS} bits, got {level!r}"
+            )
+        return int(level)
+
+    @classmethod
+    def label(cls, level: Any) -> str:
+        return f"int{cls.check_level(level)}"
+
+    @classmethod
+    def aggressiveness(cls, level: Any) -> float:
+        return 32 / cls.check_level(level)  # fewer bits compress more
+
+    @classmethod
+    def applies_to(cls, shape: Sequence[int]) -> bool:
+        return True  # any tensor can be quantised: biases and scalars too
+
+    @classmethod
+    def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
+        """``ceil(numel * bits / 32) + blocks``: the packed integers as 32-bit floats'
+        worth of bits, and each fp16 scale as one float (the paper has no quantiser; as
+        for dense, the all-gather's growth with ``world_size`` is not counted: the wire
+        bytes and :meth:`break_even` carry it)."""
+        bits = cls.check_level(level)
+        return -(-math.prod(shape) * bits // 32) + block_count(shape)
+
+    @classmethod
+    def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
+        """Two all-gathers: the packed integers, ``ceil(numel * bits / 8)`` bytes, and the
+        scales, 2 bytes per block, whatever ``element_size``."""
+        bits = cls.check_level(level)
+        return [Message("allgather", "values", packed_bytes(math.prod(shape), bits)),
+                Message("allgather", "scales", SCALE_BYTES * block_count(shape))]  # fmt: skip
+
+    @classmethod
+    def break_even(
+        cls, shapes: Sequence[Sequence[int]], world_size: int, element_size: int = 4
+    ) -> QuantBreakEven:
+        """The worker count at which each bit width sends as many wire bytes as dense for
+        the tensors of ``shapes``, of ``element_size``-byte values.
+
+        Per worker, ``b`` bits send ``(W - 1) n_b`` bytes (all-gathers of ``n_b`` bytes:
+        :meth:`messages`, summed over the tensors), a ring all-reduce ``2 (W - 1) / W * D``
+        (``D`` dense bytes): equal at ``W = 2 D / n_b``, about ``2 e / (b / 8 + 2 / 64)``
+        for full blocks. One worker sends nothing either way.
+        """
+        check_world_size(world_size)
+        check_int("element_size", element_size, 1)
+        dims = [tuple(int(d) for d in s) for s in shapes]
+        dense = sum(math.prod(s) for s in dims) * element_size
+        if not dense:
+            return QuantBreakEven(world_size, element_size, BITS, None)
+        sent = [sum(m.nbytes for s in dims for m in cls.messages(s, b, element_size))
+                for b in BITS]  # fmt: skip
+        return QuantBreakEven(world_size, element_size, BITS, tuple(2 * dense / n for n in sent))
+
+    @classmethod
+    def break_even_text(cls, entry: Mapping[str, Any], labels: Sequence[str]) -> str:
+        """Each bit width's break-even worker count and each level's bytes against dense."""
+        w = entry["workers"]
+        head = f"integer quantisation break-even at {w} worker{'s' if w != 1 else ''}: "
+        if entry["max_workers"] is None:
+            return head + "none (integer quantisation compresses no tensor)"
+        points = ", ".join(f"int{b} below {n:.3g} workers"
+                           for b, n in zip(entry["bits"], entry["max_workers"]))  # fmt: skip
+        ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
+        levels = ", ".join(f"{label} {ratio}" for label, ratio in zip(labels, ratios))
+        return (
+            f"{head}{points} send fewer bytes than a dense ring all-reduce of "
+            f"{entry['element_size']}-byte values\n  (all-gathers of the packed integers and "
+            f"fp16 scales grow with the workers); bytes against dense: {levels}"
+        )
+
+    def exchange(
+        self,
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+        world_size: int,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Exchange[Result]:
+        """Quantise ``tensors`` (each becomes its residual), all-gather the payload and the
+        scales in one phase, and average the workers' dequantised tensors (see the class)."""
+        if not tensors:
+            return []
+        bits = [self.level(key) for key in keys]
+        payload, scales = [], []
+        for m, b in zip(tensors, bits):
+            values, s = quantize(m, b)
+            m.sub_(dequantize(values, s, m.shape, _wide(m.dtype)).view(m.shape))  # residual
+            payload.append(pack(values, b))
+            scales.append(s)
+        sent, sent_scales = torch.cat(payload), torch.cat(scales)
+        if sent.numel() or sent_scales.numel():
+            gathered, gathered_scales = yield [AllGather(sent), AllGather(sent_scales)]
+        else:  # only empty tensors: nothing to send (alike on every rank)
+            gathered, gathered_scales = sent.unsqueeze(0), sent_scales.unsqueeze(0)
+        results: Result = []
+        offset = scale_offset = 0
+        for i, (m, b) in enumerate(zip(tensors, bits)):
+            numel, nbytes, nscales = m.numel(), packed_bytes(m.numel(), b), block_count(m.shape)
+            values = unpack(gathered[:, offset : offset + nbytes], b, numel)
+            s = gathered_scales[:, scale_offset : scale_offset + nscales]
+            average = _mean_of_workers(dequantize(values, s, m.shape, _wide(m.dtype)))
+            average = average.view(m.shape)
+            if out is None:
+                average = average.to(m.dtype)
+            else:
+                average = out[i].copy_(average)
+            results.append((average, m))
+            offset, scale_offset = offset + nbytes, scale_offset + nscales
+        return results
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the average is summed in: fp32, or ``dtype`` if wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _mean_of_workers(each: torch.Tensor) -> torch.Tensor:
+    """``sum(each[w] for w in range(W)) / W`` of ``[W, n]``, added worker 0 first (an
+    order of additions fixed by the workers' ranks, the same on every rank)."""
+    total = each[0].clone()
+    for w in range(1, each.shape[0]):
+        total.add_(each[w])
+    return total.div_(each.shape[0])
