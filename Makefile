@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/accordion compare --task mnist1d --workers 2 --seeds 3 --no-progress \
-		--strategies static:powersgd:4 static:powersgd:1 accordion:powersgd:4,1:paper \
+		--strategies dense static:powersgd:4 static:powersgd:1 accordion:powersgd:4,1:paper \
 		accordion:powersgd:4,2,1 static:topk:0.99 static:topk:0.01 \
 		accordion:topk:0.99,0.01:paper accordion:topk:0.99,0.1,0.01 \
 		--baseline static:powersgd:4 static:topk:0.99 --out runs/demo

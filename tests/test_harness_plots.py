@@ -229,6 +229,17 @@ def test_plot_all_writes_one_levels_and_ratios_file_per_family(results, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
 
 
+def test_plot_all_shows_the_levels_of_the_default_rules_run(results, tmp_path, monkeypatch):
+    paper = copy.deepcopy(next(r for r in results["runs"] if r["strategy"].startswith("acc")))
+    paper["strategy"] = "accordion:powersgd:4,1:paper"
+    results["runs"].insert(0, paper)  # the paper's rule's run comes first
+    plotted = []
+    monkeypatch.setattr(plots, "plot_levels", lambda res, path, strategy: plotted.append(
+        strategy) or path)  # fmt: skip
+    plots.plot_all(results, tmp_path)
+    assert plotted == ["accordion:powersgd:4,1", "accordion:topk:0.99,0.01"]
+
+
 def test_plot_all_without_accordion_writes_only_accuracy_and_data_sent(results, tmp_path):
     results["runs"] = [r for r in results["runs"] if r["strategy"] == "static:powersgd:4"]
     assert [p.name for p in plots.plot_all(results, tmp_path)] == ["accuracy.png", "data_sent.png"]

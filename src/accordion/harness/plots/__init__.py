@@ -64,9 +64,10 @@ def plot_all(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
 
     Always ``accuracy.png`` and ``data_sent.png``; with batch-size strategies
     ``batch_size.png``; with Accordion runs, ``levels.png`` and
-    ``norm_ratios.png`` for the first Accordion strategy, or, when several Accordion
-    families exist (``accordion:powersgd`` and ``accordion:topk``), ``levels-FAMILY.png``
-    and ``norm_ratios-FAMILY.png`` for the first strategy of each. Returns the paths written.
+    ``norm_ratios.png`` for one Accordion strategy, or, when several Accordion families
+    exist (``accordion:powersgd`` and ``accordion:topk``), ``levels-FAMILY.png`` and
+    ``norm_ratios-FAMILY.png`` for one strategy of each: the first that runs the default
+    (guarded) rule, else the first. Returns the paths written.
     """
     runs = runs_of(results)
     out = Path(out_dir)
@@ -78,6 +79,10 @@ def plot_all(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     for strategy in by_strategy(runs):
         if is_accordion(strategy):
             families.setdefault(parsed(strategy).compressor, strategy)
+    for strategy in reversed(list(by_strategy(runs))):
+        # the default rule's run where there is one: the ladder a newcomer is told to use
+        if is_accordion(strategy) and parsed(strategy).rule in (None, "guarded"):
+            families[parsed(strategy).compressor] = strategy
     if len(families) == 1:
         (strategy,) = families.values()
         written.append(plot_levels(results, out / "levels.png", strategy))
