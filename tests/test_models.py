@@ -74,6 +74,8 @@ def test_model_names_lists_every_model() -> None:
         "densenet",
         "lstm",
         "mnist1d-cnn",
+        "transformer-tiny",
+        "transformer-small",
     )
 
 

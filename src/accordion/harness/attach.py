@@ -18,7 +18,10 @@ from .strategies import Strategy
 def attach_strategy(
     config: TrainConfig, strategy: Strategy, model: nn.Module, ddp: DDP
 ) -> AccordionState | None:
-    """Register the strategy's hook on ``ddp``; return its ``AccordionState`` (or ``None``)."""
+    """Register the strategy's hook on ``ddp``; return its ``AccordionState`` (or ``None``).
+
+    The state's interval counts ``config.interval_unit`` (epochs or optimizer steps): the
+    loop then ends each epoch or each step on it (:mod:`accordion.harness.loop`)."""
     if not strategy.uses_accordion_hook:
         attach_torch_hook(strategy, ddp, config.seed)
         return None
@@ -36,6 +39,7 @@ def attach_strategy(
         compressor=strategy.compressor,
         **ladder,
         interval=strategy.interval or config.interval,  # None: the rule's default
+        interval_unit=config.interval_unit,  # what the interval counts: epochs or steps
         **({"rule": rule} if rule else {"eta": config.eta}),
         statistic=config.statistic,
         seed=config.seed,

@@ -13,7 +13,7 @@ from ..policy import PaperRule
 from .attach import attach_strategy
 from .baselines import Traffic
 from .config import TrainConfig
-from .data import ClassificationData, LanguageData, load_task
+from .data import ClassificationData, LanguageData, SequenceData, load_task
 from .loop import Run, step_compute
 from .records import Logger
 from .strategies import Strategy, parse_strategy
@@ -28,7 +28,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     data = load_task(
         config.task, config.data_dir, train_samples=config.train_samples,
         test_samples=config.test_samples, seed=config.seed,
-        synthetic_shape=tuple(config.synthetic_shape),
+        synthetic_shape=tuple(config.synthetic_shape), bptt=config.bptt,
     )  # fmt: skip
     if config.batch_size % world:
         raise ValueError(
@@ -47,10 +47,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     if calibrates:  # collective: the link and the compression costs
         state.calibrate(compute_s=compute_s)
     traffic = Traffic(strategy, model, state, world)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )  # fmt: skip
+    optimizer = make_optimizer(config, model)
     logger = Logger(config.out if rank == 0 else None, config)
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
@@ -63,9 +60,23 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """``config.optimizer`` over ``model``'s parameters at the schedule's first rate:
+    SGD with ``momentum`` or AdamW with ``betas``, both with ``weight_decay``."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=config.lr_at(0), betas=tuple(config.betas),
+            weight_decay=config.weight_decay,
+        )  # fmt: skip
+    return torch.optim.SGD(
+        model.parameters(), lr=config.lr_at(0), momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )  # fmt: skip
+
+
 def _build_model(config: TrainConfig, data: ClassificationData | LanguageData) -> nn.Module:
     name = config.model or data.default_model
-    if isinstance(data, LanguageData):
+    if isinstance(data, LanguageData | SequenceData):
         return get_model(name, ntoken=data.vocab_size)
     return get_model(name, num_classes=data.num_classes)
 
@@ -89,8 +100,16 @@ def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int)
         return None
     return BatchSizeController(
         strategy.batch_small, strategy.batch_large, micro_batch=strategy.batch_small // world,
-        world_size=world, interval=config.interval or PaperRule.default_interval,
+        world_size=world, interval=_batch_interval(config),
         eta=config.eta, mode=strategy.batch_mode,
         fixed_switch_epoch=config.batch_switch_epoch, lr_scaling=config.lr_scaling,
         warmup_steps=config.batch_warmup_steps,
     )  # fmt: skip
+
+
+def _batch_interval(config: TrainConfig) -> int:
+    """Epochs between the batch controller's checks: ``config.interval`` when it counts
+    epochs, else (``interval_unit="step"``: the interval is the hook's, in steps) 1."""
+    if config.interval_unit == "step":
+        return 1
+    return config.interval or PaperRule.default_interval

@@ -20,6 +20,10 @@ from .strategies import Strategy, parse_strategy
 LR_SCALINGS = ("linear", "sqrt")
 #: The learning-rate schedules after warm-up (``TrainConfig.schedule``).
 SCHEDULES = ("step", "cosine")
+#: The optimisers a run can train with (``TrainConfig.optimizer``).
+OPTIMIZERS = ("sgd", "adamw")
+#: What Accordion's ``interval`` counts (``TrainConfig.interval_unit``).
+INTERVAL_UNITS = ("epoch", "step")
 
 
 @dataclass
@@ -31,6 +35,12 @@ class TrainConfig:
     ``decay_factor`` at each of ``decay_epochs``; ``"cosine"``, a half cosine from ``lr``
     at the end of warm-up to ``min_lr_factor * lr`` at the end of training (``epochs``),
     ignoring ``decay_epochs``. See :meth:`lr_at`.
+
+    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (with ``betas``), both
+    with ``weight_decay`` (AdamW's decoupled). ``interval_unit``: whether Accordion's
+    ``interval`` counts epochs (its decisions at each epoch's end) or optimizer steps (at
+    the end of each window of ``interval`` steps). Batch-size strategies always count
+    epochs: with ``interval_unit="step"`` their controller checks every epoch.
     """
 
     task: str = "mnist1d"
@@ -46,9 +56,13 @@ class TrainConfig:
     decay_factor: float = 0.1
     schedule: str = "step"  # after warm-up: "step" (decay_epochs) or "cosine"
     min_lr_factor: float = 0.0  # cosine: the final lr as a fraction of lr, in [0, 1]
-    momentum: float = 0.9
+    momentum: float = 0.9  # SGD only
     weight_decay: float = 1e-4
-    interval: int | None = None  # Accordion's check interval, epochs (None: the rule's)
+    optimizer: str = "sgd"  # "sgd" or "adamw"
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW only: its two averaging factors
+    # Accordion's check interval, in interval_unit (None: the rule's)
+    interval: int | None = None
+    interval_unit: str = "epoch"  # "epoch" or "step"
     eta: float = 0.5
     # the paper's: the documented figures were measured so (the library's default: sharded)
     statistic: str = "rank0"
@@ -60,7 +74,7 @@ class TrainConfig:
     batch_switch_epoch: int = 20  # batch-fixed: first epoch at the large batch
     lr_scaling: str = "linear"  # learning rate vs batch size: "linear" or "sqrt"
     batch_warmup_steps: int = 5  # optimizer steps of warm-up after a switch to a larger batch
-    bptt: int = 30
+    bptt: int = 30  # tokens per window: LSTM truncated BPTT; charlm's characters per sample
     clip: float | None = None  # gradient-norm clipping (the LSTM preset uses 0.4)
     threads: int | None = None
     progress: bool = True
@@ -110,6 +124,7 @@ class TrainConfig:
         check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("statistic", self.statistic, STATISTICS)
+        self._check_optimizer()
         check_number("min_lr_factor", self.min_lr_factor, minimum=0, maximum=1)
         for name in ("batch_switch_epoch", "batch_warmup_steps"):
             check_int(name, getattr(self, name), 0)
@@ -118,12 +133,30 @@ class TrainConfig:
         if self.model is not None:
             check_choice("model", self.model, MODEL_NAMES)
 
+    def _check_optimizer(self) -> None:
+        """``optimizer``, ``betas`` and ``interval_unit``."""
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("interval_unit", self.interval_unit, INTERVAL_UNITS)
+        betas = self.betas
+        if not isinstance(betas, tuple | list):
+            raise TypeError(f"betas must be a tuple of two numbers in [0, 1), got {betas!r}")
+        if len(betas) != 2:
+            raise ValueError(
+                f"betas must be two numbers in [0, 1) (AdamW's averaging factors), got {betas!r}"
+            )
+        for i, beta in enumerate(betas):
+            if check_number(f"betas[{i}]", beta, minimum=0) >= 1:
+                raise ValueError(
+                    f"betas[{i}] must be >= 0 and < 1 (an averaging factor), got {beta!r}"
+                )
+
     def _check_task_and_batches(self, strategy: Strategy, world: int | None) -> None:
         """The task's settings, and that every global batch the run trains at splits among
         ``world`` workers (when given) and fits in the training set."""
         train_size = check_task(
             self.task, self.data_dir, model=self.model, train_samples=self.train_samples,
             test_samples=self.test_samples, synthetic_shape=self.synthetic_shape,
+            bptt=self.bptt,
         )  # fmt: skip
         if strategy.batch_mode is not None and self.task == "wikitext2":
             raise ValueError(
@@ -174,6 +207,7 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         out["decay_epochs"] = list(self.decay_epochs)
         out["synthetic_shape"] = list(self.synthetic_shape)
+        out["betas"] = list(self.betas)
         return out
 
 
@@ -184,7 +218,17 @@ _CIFAR_SCHEDULE = dict(
     decay_epochs=(150, 250), interval=10,
 )  # fmt: skip
 
-#: Named presets for the paper's full runs (meant for GPU machines).
+#: The character-level language model's schedule: AdamW, 2 epochs with 5 % of linear
+#: warm-up then a cosine down to a tenth, Accordion deciding every 25 optimizer steps, a
+#: global batch of 64 windows of 64 characters, 2,048 validation windows.
+_CHARLM_SCHEDULE = dict(
+    optimizer="adamw", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, epochs=2,
+    warmup_epochs=0.1, schedule="cosine", min_lr_factor=0.1, clip=1.0, interval_unit="step",
+    interval=25, bptt=64, batch_size=64, test_samples=2048,
+)  # fmt: skip
+
+#: Named presets: the paper's full runs (meant for GPU machines), and the CPU-size
+#: character-level language models ``charlm-tiny`` and ``charlm-small``.
 PRESETS: dict[str, dict[str, Any]] = {
     "cifar10-resnet18": dict(task="cifar10", model="resnet18", **_CIFAR_SCHEDULE),
     "cifar100-resnet18": dict(task="cifar100", model="resnet18", **_CIFAR_SCHEDULE),
@@ -195,5 +239,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wikitext2-lstm": dict(
         task="wikitext2", model="lstm", epochs=90, batch_size=80, lr=2.5, warmup_epochs=0,
         decay_epochs=(60, 80), interval=5, clip=0.4, momentum=0.0, weight_decay=0.0,
+    ),
+    # CPU-size (minutes on 2 cores with 2 workers, docs/reproduction.md): a character-level
+    # transformer with AdamW, where PowerSGD was seen to cost accuracy against dense
+    "charlm-tiny": dict(
+        task="charlm", model="transformer-tiny", train_samples=28672, **_CHARLM_SCHEDULE,
+    ),
+    "charlm-small": dict(
+        task="charlm", model="transformer-small", train_samples=16384,
+        **{**_CHARLM_SCHEDULE, "lr": 2e-3},
     ),
 }  # fmt: skip

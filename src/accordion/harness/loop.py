@@ -1,5 +1,10 @@
 """One epoch of a run on this rank: its optimizer steps (with micro-batches accumulated
-under ``no_sync()`` for a batch controller), the evaluation and the epoch's record."""
+under ``no_sync()`` for a batch controller), the evaluation and the epoch's record.
+
+Accordion's decisions come at each epoch's end (``interval_unit="epoch"``) or after every
+optimizer step (``"step"``: ``AccordionState.end_step``, deciding at each window's end).
+Sequence tasks (:class:`~.data.SequenceData`, ``charlm``) are trained and evaluated on the
+cross-entropy over every position of their windows."""
 
 from __future__ import annotations
 
@@ -20,7 +25,13 @@ from ..calibration import measure_step_compute
 from ..ddp import AccordionState
 from .baselines import Traffic
 from .config import TrainConfig
-from .data import ClassificationData, LanguageData, classification_batches, language_batches
+from .data import (
+    ClassificationData,
+    LanguageData,
+    SequenceData,
+    classification_batches,
+    language_batches,
+)
 from .records import Logger
 from .strategies import Strategy
 
@@ -57,16 +68,16 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
     start = time.perf_counter()
     loss_sum, batches, step_times = train_epoch(
         run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
-        run.device, run.traffic, batch, controller,
+        run.device, run.traffic, batch, controller, state=state,
     )  # fmt: skip
     train_time += time.perf_counter() - start
     next_lr = config.lr_at(epoch + 1)
-    if state is not None:
+    if state is not None and state.interval_unit == "epoch":
         state.end_epoch(next_lr=next_lr)
     if controller is not None:
         last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
         controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
-    metric = evaluate(run.model, run.data, config, run.rank, run.world, run.device)
+    tested = evaluation(run.model, run.data, config, run.rank, run.world, run.device)
     loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
     if run.world > 1:
         dist.all_reduce(loss)
@@ -74,7 +85,7 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
     record = {
         "epoch": epoch,
         "train_loss": loss[0].item() / max(loss[1].item(), 1.0),
-        "test_metric": metric,
+        **tested,
         "floats": floats,
         "bytes": nbytes,
         "train_time_s": train_time,
@@ -89,11 +100,13 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
 
 
 def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
-                traffic: Traffic, batch: int,
-                controller) -> tuple[float, int, list[float]]:  # fmt: skip
+                traffic: Traffic, batch: int, controller,
+                state: AccordionState | None = None) -> tuple[float, int, list[float]]:  # fmt: skip
     """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
     controller, each rank's share is split into micro-batches whose gradients accumulate
-    under ``no_sync()``: one all-reduce and one optimizer step per global batch.
+    under ``no_sync()``: one all-reduce and one optimizer step per global batch. With a
+    ``state`` counting steps (``interval_unit="step"``), ``state.end_step`` follows every
+    optimizer step, given the next step's scheduled rate (collective at a window's end).
 
     Returns this rank's loss sum, the number of steps and each step's wall time (s, from
     before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
@@ -133,6 +146,8 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         optimizer.step()
         if controller is not None:
             controller.step()
+        if state is not None and state.interval_unit == "step":
+            state.end_step(next_lr=config.lr_at(epoch + (step + 1) / steps_per_epoch))
         step_times.append(time.perf_counter() - started)
         traffic.step()
         loss_sum += step_loss
@@ -148,7 +163,7 @@ def _accumulate(ddp: DDP, xs, ys) -> float:
     for i, (x, y) in enumerate(zip(xs, ys)):
         sync = i == len(xs) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
-            loss = nn.functional.cross_entropy(ddp(x), y) * scale
+            loss = output_loss(ddp(x), y) * scale
             loss.backward()
         total += loss.item()
     return total
@@ -157,55 +172,93 @@ def _accumulate(ddp: DDP, xs, ys) -> float:
 def step_compute(ddp: DDP, data, config: TrainConfig, rank: int, world: int, device):
     """Seconds of forward and backward per step (no communication) on the first global
     batch, for the cost model and ``measure_compute`` (collective: every rank calls it);
-    ``None`` for language tasks, whose step carries a hidden state (the cost model then
-    assumes no overlap)."""
+    ``None`` for ``wikitext2``, whose step carries a hidden state (the cost model then
+    assumes no overlap). Sequence tasks (``charlm``) are measured on their sequence loss."""
     if isinstance(data, LanguageData):
         return None
     x, y = next(iter(train_batches(data, config, rank, world, 0, config.batch_size)))
     x, y = x.to(device), y.to(device)
 
     def step() -> None:
-        nn.functional.cross_entropy(ddp(x), y).backward()
+        output_loss(ddp(x), y).backward()
 
     return measure_step_compute(ddp, step, steps=5)
 
 
+def output_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"):
+    """Cross-entropy of logits ``[B, C]`` for labels ``[B]``, or of sequence logits
+    ``[B, T, V]`` for targets ``[B, T]`` over all ``B * T`` positions (nats)."""
+    return nn.functional.cross_entropy(
+        output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction=reduction
+    )
+
+
 def evaluate(model: nn.Module, data, config: TrainConfig, rank: int, world: int, device):
-    """Test accuracy (%) or perplexity; each rank evaluates a shard, then all-reduce."""
+    """Test accuracy (%) or perplexity; each rank evaluates a shard, then all-reduce.
+    For sequence tasks: next-token accuracy (%) over every position."""
+    return evaluation(model, data, config, rank, world, device)["test_metric"]
+
+
+def evaluation(model: nn.Module, data, config: TrainConfig, rank: int, world: int,
+               device) -> dict[str, float]:  # fmt: skip
+    """The epoch record's test entries (collective: each rank evaluates a shard, then the
+    sums are all-reduced): ``test_metric``, the accuracy (%) of a classification task or
+    the perplexity of ``wikitext2``; for a sequence task (``charlm``) ``test_metric`` is the
+    next-token accuracy (%) over every position of the validation windows, plus
+    ``val_loss`` (mean cross-entropy, nats per token) and ``perplexity`` (its exp)."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         if isinstance(data, LanguageData):
-            hidden = None
-            batches = language_batches(
-                data.test, batch_size_per_rank=max(1, config.batch_size // world),
-                rank=rank, world_size=world, bptt=config.bptt,
-            )  # fmt: skip
-            for x, y in batches:
-                logits, hidden = model(x.to(device), hidden)
-                loss = nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1), reduction="sum"
-                )
-                totals += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+            totals = _stream_totals(model, data, config, rank, world, device)
         else:
-            shard = dataclasses.replace(
-                data, x_test=data.x_test[rank::world], y_test=data.y_test[rank::world]
-            )
-            batches = classification_batches(
-                shard, global_batch=config.batch_size, rank=0, world_size=1, epoch=0,
-                seed=config.seed, train=False,
-            )  # fmt: skip
-            for x, y in batches:
-                pred = model(x.to(device)).argmax(dim=1)
-                totals += torch.tensor(
-                    [(pred == y.to(device)).sum().item(), y.numel()], dtype=torch.float64
-                )
+            totals = _sample_totals(model, data, config, rank, world, device)
     if world > 1:
         dist.all_reduce(totals)
     model.train()
+    count = max(totals[1].item(), 1.0)
     if isinstance(data, LanguageData):
-        return math.exp(min(totals[0].item() / max(totals[1].item(), 1.0), 50.0))
-    return 100.0 * totals[0].item() / max(totals[1].item(), 1.0)
+        return {"test_metric": math.exp(min(totals[0].item() / count, 50.0))}
+    tested = {"test_metric": 100.0 * totals[0].item() / count}
+    if isinstance(data, SequenceData):
+        tested["val_loss"] = totals[2].item() / count
+        tested["perplexity"] = math.exp(min(tested["val_loss"], 50.0))
+    return tested
+
+
+def _stream_totals(model, data: LanguageData, config, rank, world, device) -> torch.Tensor:
+    """This rank's (loss sum, tokens, 0) over its columns of the test stream."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    hidden = None
+    batches = language_batches(
+        data.test, batch_size_per_rank=max(1, config.batch_size // world),
+        rank=rank, world_size=world, bptt=config.bptt,
+    )  # fmt: skip
+    for x, y in batches:
+        logits, hidden = model(x.to(device), hidden)
+        loss = output_loss(logits, y.to(device), reduction="sum")
+        totals += torch.tensor([loss.item(), y.numel(), 0.0], dtype=torch.float64)
+    return totals
+
+
+def _sample_totals(model, data: ClassificationData, config, rank, world, device) -> torch.Tensor:
+    """This rank's (correct, predictions, loss sum) over its shard of the test samples;
+    a sequence task's predictions are every position of its windows (the loss sum only
+    for those: classification records no loss)."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    sequence = isinstance(data, SequenceData)
+    shard = dataclasses.replace(
+        data, x_test=data.x_test[rank::world], y_test=data.y_test[rank::world]
+    )
+    batches = classification_batches(
+        shard, global_batch=config.batch_size, rank=0, world_size=1, epoch=0,
+        seed=config.seed, train=False,
+    )  # fmt: skip
+    for x, y in batches:
+        output, y = model(x.to(device)), y.to(device)
+        correct = (output.argmax(dim=-1) == y).sum().item()
+        loss = output_loss(output, y, reduction="sum").item() if sequence else 0.0
+        totals += torch.tensor([correct, y.numel(), loss], dtype=torch.float64)
+    return totals
 
 
 def train_batches(data, config: TrainConfig, rank: int, world: int, epoch: int, batch: int):

