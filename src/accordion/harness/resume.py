@@ -40,6 +40,8 @@ def resume(run: Run, saver: Checkpointer | None, result: RunResult) -> tuple[int
 def check_same_run(config: TrainConfig, saved: dict[str, Any], path) -> None:
     """Raise ``ValueError`` when ``config`` trains another run than the checkpoint's."""
     now = config.to_dict()
+    # a setting newer than the checkpoint did not exist then: it was what its default is now
+    saved = {**{k: v for k, v in TrainConfig().to_dict().items() if k not in saved}, **saved}
     # a cosine schedule spans the whole run: more epochs would change the rates so far
     free = [k for k in _RESUMABLE_CHANGES if k != "epochs" or config.schedule != "cosine"]
     changed = sorted(k for k in set(now) | set(saved) if k not in free
