@@ -101,3 +101,10 @@ def test_get_model_rejects_bad_num_classes(num_classes: object, error: type[Exce
         get_model("mnist1d-cnn", num_classes=num_classes)  # type: ignore[arg-type]
     assert repr(num_classes) in str(excinfo.value)
     assert "positive int" in str(excinfo.value)
+
+
+def test_the_plan_counts_the_character_transformers_as_language_models() -> None:
+    from accordion.models.shapes import takes_classes
+
+    assert not takes_classes("transformer-tiny") and not takes_classes("transformer-small")
+    assert takes_classes("mnist1d-cnn")

@@ -36,7 +36,7 @@ SCALE_MODEL_NAMES: tuple[str, ...] = tuple(_SCALE_MODELS)
 """The models only the plan knows (shapes for data-centre scale; ``train`` does not run them)."""
 
 # language models: their output is the vocabulary, so a number of classes means nothing
-_LANGUAGE_MODELS = ("lstm", "transformer-1b")
+_LANGUAGE_MODELS = ("lstm", "transformer-tiny", "transformer-small", "transformer-1b")
 
 
 def plan_model_names() -> tuple[str, ...]:
