@@ -20,7 +20,8 @@ A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:a
 turns the cost model on: before training the hook measures the link and the cost of
 compressing each tensor, and sends dense those for which compression does not pay.
 
-An Accordion strategy may also name its rule and its check interval (epochs), in any
+An Accordion strategy may also name its rule and its check interval (epochs, or steps
+with ``--interval-unit step``), in any
 order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
 :data:`accordion.policy.RULES`; without a name the library's default rule, without
 ``every=N`` the run's ``--interval``), and for the guarded rule how many checks a
