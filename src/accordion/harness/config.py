@@ -246,7 +246,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         task="charlm", model="transformer-tiny", train_samples=28672, **_CHARLM_SCHEDULE,
     ),
     "charlm-small": dict(
-        task="charlm", model="transformer-small", train_samples=16384,
+        task="charlm", model="transformer-small", train_samples=20480,
         **{**_CHARLM_SCHEDULE, "lr": 2e-3},
     ),
 }  # fmt: skip
