@@ -106,8 +106,6 @@ def test_each_tensor_is_sent_by_the_compressor_of_its_level(level, part):
 
 
 def test_tensors_at_levels_of_two_compressors_travel_in_one_exchange():
-    comp = Mixed.build("half/bf16")
-    comp.set_level("powersgd/1", ["w"])
     reducers = [Reducer(Mixed.build("half/bf16")) for _ in range(2)]
     for r in reducers:
         r.compressor.set_level("powersgd/1", ["w"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from accordion.models import MODEL_NAMES, LSTMLanguageModel, ResNet18, get_model
+from accordion.models.shapes import takes_classes
 
 CIFAR_MODELS = ("resnet18", "vgg19bn", "senet18", "googlenet", "densenet")
 
@@ -104,7 +105,5 @@ def test_get_model_rejects_bad_num_classes(num_classes: object, error: type[Exce
 
 
 def test_the_plan_counts_the_character_transformers_as_language_models() -> None:
-    from accordion.models.shapes import takes_classes
-
     assert not takes_classes("transformer-tiny") and not takes_classes("transformer-small")
     assert takes_classes("mnist1d-cnn")

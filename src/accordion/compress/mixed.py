@@ -83,25 +83,21 @@ class Mixed(Compressor):
     @classmethod
     def check_level(cls, level: Any) -> str:
         """A level as its canonical text ``NAME/LEVEL`` (or ``"dense"``)."""
+        if isinstance(level, str) and level.strip() == DENSE_LEVEL:
+            return DENSE_LEVEL
         if isinstance(level, tuple) and len(level) == 2 and isinstance(level[0], str):
             name, part_level = level
-        elif isinstance(level, str):
-            if level.strip() == DENSE_LEVEL:
+            if name == DENSE_LEVEL and part_level is None:
                 return DENSE_LEVEL
-            name, slash, text = level.strip().partition("/")
+        elif isinstance(level, str):
+            name, slash, part_level = level.strip().partition("/")
             if not slash:
                 raise ValueError(f"a mixed level must be {cls.level_help}, got {level!r}")
-            part_level = compressor_class(name).parse_level(text) if _known(name) else None
         else:
             raise TypeError(f"a mixed level must be {cls.level_help}, got {level!r}")
-        if name == DENSE_LEVEL and part_level is None:
-            return DENSE_LEVEL
-        if not _known(name) or name in (cls.name, Dense.name):
-            raise ValueError(
-                f"a mixed level names a compressor other than mixed and dense, got {name!r} in "
-                f"{level!r}"
-            )
-        part = compressor_class(name)
+        part = _part(name, level)
+        if isinstance(level, str):
+            part_level = part.parse_level(part_level)
         return f"{name}/{part.level_text(part.check_level(part_level))}"
 
     @classmethod
@@ -226,12 +222,16 @@ class Mixed(Compressor):
             part.check_shapes(shapes)
 
 
-def _known(name: str) -> bool:
+def _part(name: str, level: Any) -> type[Compressor]:
+    """The registered compressor ``name`` of a mixed ``level``: any but mixed and dense."""
     try:
-        compressor_class(name)
+        part = compressor_class(name)
     except (TypeError, ValueError):
-        return False
-    return True
+        part = None
+    if part is None or part.name in (Mixed.name, Dense.name):
+        raise ValueError(f"a mixed level names a compressor other than mixed and dense, got "
+                         f"{name!r} in {level!r}")  # fmt: skip
+    return part
 
 
 def _sender(shape: tuple[int, ...], level: Any) -> tuple[type[Compressor], Any]:
@@ -241,3 +241,12 @@ def _sender(shape: tuple[int, ...], level: Any) -> tuple[type[Compressor], Any]:
     if part is not Dense and not part.applies_to(shape):
         return Dense, None
     return part, part_level
+
+
+def _known(name: Any) -> bool:
+    """Whether ``name`` is a registered compressor's."""
+    try:
+        compressor_class(name)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .paired import final_metric, paired_difference
+from .paired import final_metric, paired_difference, runs_by_strategy
 
 #: The strategy every other one is measured against.
 DENSE = "dense"
@@ -26,13 +26,6 @@ DENSE = "dense"
 ACCURACY_TOLERANCE_PP = 0.3
 #: Dense quality: the mean paired relative validation-loss difference at most this (%).
 LOSS_TOLERANCE_PERCENT = 0.5
-
-
-def _by_strategy(results: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str, Any]]]:
-    out: dict[str, dict[Any, Mapping[str, Any]]] = {}
-    for run in results.get("runs", []):
-        out.setdefault(run["strategy"], {})[run.get("seed", 0)] = run
-    return out
 
 
 def _final(run: Mapping[str, Any], key: str) -> Any:
@@ -68,7 +61,7 @@ def against_dense(results: Mapping[str, Any], confidence: float = 0.95) -> dict[
     (``{"mean", "low", "high"}`` of the relative validation-loss difference, %, where the
     runs record ``val_loss``), ``bytes_ratio`` (dense's wire
     bytes / this: above 1 sends less) and ``keeps_dense`` (:func:`keeps_dense`)."""
-    by_strategy = _by_strategy(results)
+    by_strategy = runs_by_strategy(results)
     if DENSE not in by_strategy:
         return None
     metric = results.get("config", {}).get("metric", "accuracy")

@@ -162,6 +162,14 @@ def final_by_seed(results: Mapping[str, Any]) -> dict[str, dict[Any, float]]:
     return finals
 
 
+def runs_by_strategy(results: Any) -> dict[str, dict[Any, Mapping[str, Any]]]:
+    """The runs of ``results`` (checked enough to pair them), by strategy then seed."""
+    by_strategy: dict[str, dict[Any, Mapping[str, Any]]] = {}
+    for run in _runs(results):
+        by_strategy.setdefault(run["strategy"], {})[run.get("seed", 0)] = run
+    return by_strategy
+
+
 def _runs(results: Any) -> list[Mapping[str, Any]]:
     """The runs of ``results``, checked enough to pair them."""
     if not isinstance(results, Mapping):
@@ -246,9 +254,7 @@ def summarize_paired(
     seeds or when it sends nothing). Without a shared seed, ``mean``, ``low``, ``high``
     and ``sd`` are ``None``.
     """
-    by_strategy: dict[str, dict[Any, Mapping[str, Any]]] = {}
-    for run in _runs(results):
-        by_strategy.setdefault(run["strategy"], {})[run.get("seed", 0)] = run
+    by_strategy = runs_by_strategy(results)
     names = check_baselines(baselines, list(by_strategy))
     rows = []
     for strategy, baseline in pair_baselines(list(by_strategy), names).items():
