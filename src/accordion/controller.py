@@ -27,6 +27,7 @@ from torch import nn
 
 from .accounting import Ledger
 from .agreement import agreed_rungs, agreement_device, check_agreement
+from .audit import Audits, audited_exchange
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
 from .compress import AllReduce, ErrorFeedback, Exchange, Reducer, compressor_class
@@ -113,6 +114,7 @@ class Controller:
         self._costs = Costs()  # the ledger's prices, per key and level
         self._levels_checked = False  # levels that compress nothing are warned of once
         self._transport = _checked_transport(transport)
+        self._audits = Audits()  # which step a rule that needs "audit" audits
         #: The last :meth:`calibrate` report, or ``None``.
         self.calibration: dict[str, Any] | None = None
         if model is not None:
@@ -183,9 +185,14 @@ class Controller:
         in one all-reduce when every gradient goes dense and owes no memory."""
         transport = self.transport()
         world = transport.world_size
-        self._observe(keys, grads, transport)
+        audit = self._audits.due(self.rule, self.adaptive, self.schedule.collecting(self.epoch),
+                                 self.step)  # fmt: skip
+        self._observe(keys, grads, transport, dense=audit)
         if last and self.interval_unit == "epoch":
             self.step += 1
+        if audit:
+            return audited_exchange(keys, grads, buffer, world, self.rule.measured,
+                                    self._layers().compressed(), self.ladder, self._options)
         reducer = self.reducer
         if buffer is not None and not any(
             reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
@@ -194,16 +201,18 @@ class Controller:
             return _dense_buffer(buffer, world)
         return reducer.exchange(keys, grads, world)
 
-    def _observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], transport) -> None:
+    def _observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], transport,
+                 dense: bool = False) -> None:  # fmt: skip
         """Before an exchange: add ``grads`` to the statistic when the schedule gathers it,
-        and their cost at the current levels to the ledger."""
+        and their cost at the current levels (every one dense with ``dense``) to the ledger."""
         self.decider.observed = True
         if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
             self._check_levels(stacklevel=5)
         world, layers = transport.world_size, self._layers()
         if self.adaptive and self.schedule.collecting(self.epoch) and layers.compressed():
             self._statistic.observe(keys, grads, layers, world, transport.rank)
-        self._costs.record(self.ledger, keys, grads, world, self.reducer, self.compressor_name)
+        self._costs.record(self.ledger, keys, grads, world, self.reducer, self.compressor_name,
+                           dense)  # fmt: skip
 
     def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
         """Average ``p.grad`` over the process group in place, with compression: the

@@ -30,19 +30,21 @@ class Costs:
         self.device: torch.device | None = None
 
     def record(self, ledger: Ledger, keys: Sequence[str], grads: Sequence[torch.Tensor],
-               world: int, reducer: Reducer, name: str) -> None:  # fmt: skip
-        """Add one step of ``grads`` (of ``keys``) to ``ledger``, at their levels."""
+               world: int, reducer: Reducer, name: str, dense: bool = False) -> None:  # fmt: skip
+        """Add one step of ``grads`` (of ``keys``) to ``ledger``, at their levels (every
+        one dense with ``dense``: an audited step)."""
         if grads:
             self.device = grads[0].device
         for key, grad in zip(keys, grads):
-            ledger.add(key, *self.of(key, grad, world, reducer, name))
+            ledger.add(key, *self.of(key, grad, world, reducer, name, dense))
 
     def of(self, key: str, grad: torch.Tensor, world: int, reducer: Reducer,
-           name: str) -> tuple[int, float]:  # fmt: skip
+           name: str, dense: bool = False) -> tuple[int, float]:  # fmt: skip
         """The floats and bytes of ``key``'s gradient ``grad`` this step over ``world``
-        ranks: dense for a dense key, else at its level of the compressor ``name`` (dense
-        at a level that does not pay for its shape: the accounting's rule)."""
-        dense = key in reducer.dense_keys
+        ranks: dense for a dense key (or with ``dense``), else at its level of the
+        compressor ``name`` (dense at a level that does not pay for its shape: the
+        accounting's rule)."""
+        dense = dense or key in reducer.dense_keys
         level = None if dense else reducer.compressor.level(key)
         cost = self._cache.get((key, level, world))
         if cost is None:

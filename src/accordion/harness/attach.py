@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import AccordionState, accordion_hook
-from ..policy import make_rule
+from ..policy import make_rule, takes_eta
 from .baselines import attach_torch_hook
 from .config import TrainConfig
 from .strategies import Strategy
@@ -32,8 +32,11 @@ def attach_strategy(
     rule = None  # the library's default rule, with eta
     if strategy.rule or strategy.block is not None:
         block = None if strategy.block == "decay" else strategy.block
-        options = {} if strategy.block is None else {"block": block}
-        rule = make_rule(strategy.rule or "guarded", config.eta, **options)
+        options: dict[str, Any] = {} if strategy.block is None else {"block": block}
+        if strategy.tau is not None:
+            options["tau"] = strategy.tau
+        name = strategy.rule or "guarded"
+        rule = make_rule(name, config.eta if takes_eta(name) else None, **options)
     state = AccordionState(
         model,
         compressor=strategy.compressor,

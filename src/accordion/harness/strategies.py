@@ -26,7 +26,9 @@ order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
 :data:`accordion.policy.RULES`; without a name the library's default rule, without
 ``every=N`` the run's ``--interval``), and for the guarded rule how many checks a
 relapse blocks a rung (``block=N``, or ``block=decay`` for until the next decay:
-:class:`~accordion.policy.GuardedRule`'s ``block``).
+:class:`~accordion.policy.GuardedRule`'s ``block``), for the audit rule its error
+budget (``tau=0.3``: :class:`~accordion.policy.AuditRule`), e.g.
+``accordion:mixed:half/bf16,int/8,int/4,powersgd/4:audit:tau=0.3``.
 
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
@@ -97,6 +99,7 @@ class Strategy:
     rule: str | None = None  # Accordion's rule by name (None: the library's default)
     interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
     block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
+    tau: float | None = None  # the audit rule's error budget (None: its default)
 
     @property
     def mild(self) -> Any:
@@ -225,7 +228,17 @@ def _parse_communication(text: str, whole: str) -> Strategy:
         raise _malformed(whole)
     if "block" in options and options.get("rule", "guarded") != "guarded":
         raise ValueError(f"strategy {text!r}: block=N is an option of the guarded rule")
+    if "tau" in options and options.get("rule") != "audit":
+        raise ValueError(f"strategy {text!r}: tau=X is an option of the audit rule")
     return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
+
+
+def _is_budget(value: str) -> bool:
+    """Whether ``value`` is an audit budget: a number in (0, 1]."""
+    try:
+        return 0 < float(value) <= 1
+    except ValueError:
+        return False
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
@@ -243,11 +256,13 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = counts[name], int(value)
         elif item == "block=decay":
             key, parsed = "block", "decay"
+        elif name == "tau" and _is_budget(value):
+            key, parsed = "tau", float(value)
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
-                f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks) or "
-                "block=decay"
+                f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
+                "block=decay or tau=X (0 < X <= 1)"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")

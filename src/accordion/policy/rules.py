@@ -20,8 +20,11 @@ from typing import Any, ClassVar
 from .._validate import check_state_keys
 from .ladder import Ladder
 
-#: Statistics a rule may ask for beyond the paper's gradient norms.
-RULE_STATISTICS = frozenset({"memory_norms"})
+#: Statistics a rule may ask for beyond the paper's gradient norms: ``"memory_norms"``
+#: (in the observation) and ``"audit"`` (the first step of each period averaged dense and
+#: each rung's error on it handed to the rule's ``measured``; the rule keeps them in
+#: ``pending`` until its check: see :class:`~.audit.AuditRule`).
+RULE_STATISTICS = frozenset({"memory_norms", "audit"})
 
 
 @dataclass(frozen=True)
