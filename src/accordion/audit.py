@@ -80,6 +80,7 @@ def audited_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor],
         yield [AllReduce(buffer)]
     elif grads:  # the transport coalesces a phase's all-reduces of one dtype
         yield [AllReduce(g.div_(world)) for g in grads]
+    audited = set(audited)
     chosen = [i for i, k in enumerate(keys) if k in audited]
     measured(relative_errors(ladder, [keys[i] for i in chosen], [grads[i] for i in chosen],
                              options))  # fmt: skip
