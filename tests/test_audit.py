@@ -79,10 +79,16 @@ def test_a_malformed_state_is_refused_naming_the_entry_and_changes_nothing():
     assert rule.pending == {"a": [0.1]}
 
 
-@pytest.mark.parametrize("tau, error", [(0, ValueError), (1.5, ValueError), ("0.3", TypeError),
-                                        (math.nan, ValueError), (True, TypeError)])  # fmt: skip
-def test_tau_outside_0_to_1_is_refused_naming_it(tau, error):
-    with pytest.raises(error, match="tau must be a float in"):
+RANGE = r"tau must be > 0 and <= 1 and finite, got "
+NUMBER = r"tau must be a number, got "
+
+
+@pytest.mark.parametrize("tau, error, message", [
+    (0, ValueError, RANGE + "0"), (1.5, ValueError, RANGE + "1.5"),
+    ("0.3", TypeError, NUMBER + "'0.3'"), (math.nan, ValueError, RANGE + "nan"),
+    (True, TypeError, NUMBER + "True")])  # fmt: skip
+def test_tau_outside_0_to_1_is_refused_naming_it(tau, error, message):
+    with pytest.raises(error, match=message):
         AuditRule(tau)
 
 

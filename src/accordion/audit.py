@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .compress import AllReduce, Exchange, Reducer
+from .compress import Exchange, Reducer, average_in_place
 from .compress.memory import NoMemory
 from .compress.transport import LocalTransport
 from .policy import Ladder
@@ -75,11 +75,7 @@ def audited_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor],
     """Average ``grads`` dense in place (the flat ``buffer`` when given, which they are
     views of), then hand ``measured`` the errors of the keys in ``audited``. The
     error-feedback memories are left as they are: what they owe goes with a later step."""
-    if buffer is not None:
-        buffer.div_(world)
-        yield [AllReduce(buffer)]
-    elif grads:  # the transport coalesces a phase's all-reduces of one dtype
-        yield [AllReduce(g.div_(world)) for g in grads]
+    yield from average_in_place(grads, world, buffer)
     audited = set(audited)
     chosen = [i for i, k in enumerate(keys) if k in audited]
     measured(relative_errors(ladder, [keys[i] for i in chosen], [grads[i] for i in chosen],

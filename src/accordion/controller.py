@@ -30,7 +30,7 @@ from .agreement import agreed_rungs, agreement_device, check_agreement
 from .audit import Audits, audited_exchange
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
-from .compress import AllReduce, ErrorFeedback, Exchange, Reducer, compressor_class
+from .compress import ErrorFeedback, Exchange, Reducer, average_in_place, compressor_class
 from .compress.transport import check_process_group, check_timeout, open_transport, world_and_rank
 from .params import ParameterTable
 from .policy import Rule, Schedule
@@ -198,7 +198,7 @@ class Controller:
             reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
             for k, g in zip(keys, grads)
         ):  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
-            return _dense_buffer(buffer, world)
+            return average_in_place(grads, world, buffer)
         return reducer.exchange(keys, grads, world)
 
     def _observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], transport,
@@ -420,11 +420,3 @@ def _checked_transport(transport: Any) -> Any:
         return transport
     raise TypeError(f"transport must be None or a transport (with {', '.join(needed)}), "
                     f"got {type(transport).__name__}")  # fmt: skip
-
-
-def _dense_buffer(buffer: torch.Tensor, world: int) -> Exchange[bool]:
-    """An exchange averaging a flat bucket buffer in place (no copies)."""
-    buffer.div_(world)
-    yield [AllReduce(buffer)]
-    return True
-

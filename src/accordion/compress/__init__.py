@@ -54,7 +54,7 @@ from .quantize import IntQuantizer
 from .cost import BreakEvenDescription, CostDescription
 from .levels import LevelLanguage
 from .memory import ErrorFeedback, NoMemory
-from .reducer import Reducer
+from .reducer import Reducer, average_in_place
 from .transport import (
     AllGather,
     AllReduce,
@@ -88,6 +88,7 @@ __all__ = [
     "OneRoundPowerSGD",
     "PowerSGD",
     "Reducer",
+    "average_in_place",
     "SimulatedTransport",
     "TopK",
     "TorchTransport",

@@ -11,7 +11,7 @@ import torch
 from .._validate import check_state_keys
 from .base import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory
-from .transport import Exchange, parallel
+from .transport import AllReduce, Exchange, parallel
 from .wire import check_world_size
 
 #: The keys of a state_dict, and those older ones lack.
@@ -355,3 +355,15 @@ def _check_gradients(keys: Sequence[Hashable], grads: Sequence[torch.Tensor], wo
             raise TypeError(f"gradient for {key!r} must be a Tensor, got {type(g).__name__}")
         if not g.is_floating_point():
             raise TypeError(f"gradient for {key!r} must be floating point, got {g.dtype}")
+
+
+def average_in_place(tensors: Sequence[torch.Tensor], world: int,
+                     buffer: torch.Tensor | None = None) -> Exchange[bool]:  # fmt: skip
+    """An exchange averaging ``tensors`` dense in place, with no copies: the flat
+    ``buffer`` they are views of in one all-reduce when given (a DDP bucket's), else each
+    tensor (the transport coalesces a phase's all-reduces of one dtype)."""
+    if buffer is not None:
+        yield [AllReduce(buffer.div_(world))]
+    elif tensors:
+        yield [AllReduce(t.div_(world)) for t in tensors]
+    return True

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..compress import Compressor, compressing_names, compressor_class
 from ..policy import RULES, Ladder
+from ..policy.audit import check_tau
 
 FORMATS = (
     "dense",
@@ -234,11 +235,12 @@ def _parse_communication(text: str, whole: str) -> Strategy:
 
 
 def _is_budget(value: str) -> bool:
-    """Whether ``value`` is an audit budget: a number in (0, 1]."""
+    """Whether ``value`` is an audit budget (the audit rule's own check: in (0, 1])."""
     try:
-        return 0 < float(value) <= 1
+        check_tau(float(value))
     except ValueError:
         return False
+    return True
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:

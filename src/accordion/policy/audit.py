@@ -15,23 +15,18 @@ takes the most compressed rung whose error stays within ``tau`` at the last two 
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._validate import check_number
 from .ladder import Ladder
 from .rules import Observation, Rule, check_rule_state
 
 
 def check_tau(tau: Any) -> float:
-    """Validate the audit rule's error budget (a float in (0, 1]) and return it."""
-    message = f"tau must be a float in (0, 1] (a relative error), got {tau!r}"
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise TypeError(message)
-    if not (math.isfinite(tau) and 0 < tau <= 1):
-        raise ValueError(message)
-    return float(tau)
+    """Validate the audit rule's error budget (a relative error in (0, 1]) and return it."""
+    return check_number("tau", tau, minimum=0, strict=True, maximum=1)
 
 
 class AuditRule(Rule):
