@@ -162,6 +162,38 @@ def test_a_clean_destroy_on_every_rank_deletes_the_attempts_store_file(
     assert not store.exists()
 
 
+_LINGERING = """
+import ctypes, sys
+import torch.distributed as dist
+from accordion.checkpoint import init_process_group
+init_process_group(sys.argv[1], "gloo")
+store = dist.distributed_c10d._get_default_store()
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))  # never freed, as by a stray cache
+dist.barrier()
+if sys.argv[2] == "destroy":
+    dist.destroy_process_group()
+"""
+
+
+def _run_lingering(tmp_path: Path, ending: str) -> Path:
+    env = {**os.environ, **TORCHRUN_ENV, "RANK": "0", "WORLD_SIZE": "1",
+           "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
+    subprocess.run([sys.executable, "-c", _LINGERING, str(tmp_path), ending], env=env,
+                   check=True, timeout=60)  # fmt: skip
+    return store_path(tmp_path, TORCHRUN_ENV)
+
+
+def test_a_clean_destroy_deletes_the_store_file_even_if_a_store_reference_outlives_it(
+    tmp_path,
+):
+    assert not _run_lingering(tmp_path, "destroy").exists()
+
+
+def test_a_process_that_never_destroyed_its_group_leaves_its_store_file(tmp_path):
+    # another rank may still be in the group: the next attempt's rank 0 deletes it
+    assert _run_lingering(tmp_path, "exit").exists()
+
+
 def test_a_second_call_is_a_value_error_and_leaves_the_group(tmp_path, torchrun_env, group_cleanup):
     init_process_group(tmp_path)
     with pytest.raises(ValueError, match="already initialised"):

@@ -14,7 +14,9 @@ The folder must be on a filesystem every rank sees (as the checkpoint sets are).
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,7 +73,8 @@ def init_process_group(
     ``torchrun`` any of them missing is a ``ValueError`` naming them (there is no restart
     attempt to keep apart: call ``torch.distributed.init_process_group`` yourself).
     Rank 0 then deletes the store files of this run's earlier attempts (their workers
-    are stopped); a clean ``destroy_process_group`` deletes the attempt's own file.
+    are stopped); after a clean ``destroy_process_group`` each rank deletes the
+    attempt's own file as its process exits.
 
     Example, ``train.py``, run with
     ``torchrun --standalone --nproc-per-node 2 --max-restarts 3 train.py``::
@@ -108,9 +111,22 @@ def init_process_group(
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world, **kwargs)  # fmt: skip
+    atexit.register(_remove_after_clean_destroy, store)
     if rank == 0:  # torchrun stops an attempt's workers on every node before the next starts
         _remove_earlier_attempts(store.parent, os.environ)
     return store
+
+
+def _remove_after_clean_destroy(store: Path) -> None:
+    """At exit, delete the attempt's store file if this rank destroyed its group.
+
+    torch's FileStore deletes the file only once every rank's store object is freed, and
+    a reference that outlives the group (a cycle, a library's cache) prevents that. After
+    the barrier and ``destroy_process_group`` no rank reads the file again."""
+    if dist.is_initialized():  # not destroyed: the next attempt's rank 0 removes the file
+        return
+    gc.collect()  # free a store in a cycle first: its destructor must not recreate the file
+    store.unlink(missing_ok=True)
 
 
 def _remove_earlier_attempts(folder: Path, env: Mapping[str, str]) -> list[Path]:
