@@ -73,8 +73,7 @@ def init_process_group(
     ``torchrun`` any of them missing is a ``ValueError`` naming them (there is no restart
     attempt to keep apart: call ``torch.distributed.init_process_group`` yourself).
     Rank 0 then deletes the store files of this run's earlier attempts (their workers
-    are stopped); after a clean ``destroy_process_group`` each rank deletes the
-    attempt's own file as its process exits.
+    are stopped); at exit after ``destroy_process_group``, each rank deletes its own.
 
     Example, ``train.py``, run with
     ``torchrun --standalone --nproc-per-node 2 --max-restarts 3 train.py``::
@@ -106,8 +105,7 @@ def init_process_group(
             "init_process_group: the default process group is already initialised; call "
             "it once per process, before any other torch.distributed call"
         )
-    store = store_path(checkpoint_dir)
-    store.parent.mkdir(parents=True, exist_ok=True)
+    (store := store_path(checkpoint_dir)).parent.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world, **kwargs)  # fmt: skip
