@@ -19,6 +19,7 @@ DOCUMENTED = [
     "AuditRule",
     "Checkpointer",
     "Controller",
+    "DiLoCo",
     "FSDPState",
     "GuardedRule",
     "Ladder",

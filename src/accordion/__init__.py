@@ -2,7 +2,8 @@
 
 Implements Accordion (Agarwal et al., MLSys 2021): compress mildly in critical learning
 regimes and aggressively elsewhere. At the top level: the DDP hook (``AccordionState``,
-``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, the rules
+``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, rare
+compressed syncs ``DiLoCo``, the rules
 and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Ladder``,
 ``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
 (``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
@@ -10,6 +11,7 @@ and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Lad
 
 * ``accordion.ddp`` -- Accordion as a DDP communication hook (``AccordionState``);
 * ``accordion.fsdp`` -- Accordion across the replicas of FSDP2's hybrid sharding;
+* ``accordion.diloco`` -- DiLoCo: inner steps alone, compressed outer steps;
 * ``accordion.controller`` -- the parts of Accordion for one model, joined;
 * ``accordion.compress`` -- compressors, error-feedback memory and transports;
 * ``accordion.policy`` -- the rules, ladders and schedules of decisions (pure logic);
@@ -44,6 +46,7 @@ from .checkpoint import Checkpointer
 from .compress import compressor_names, make_compressor
 from .controller import Controller
 from .ddp import AccordionState, accordion_hook
+from .diloco import DiLoCo
 from .fsdp import FSDPState
 from .plan import layer_plan, make_plan, scaling_plan
 from .policy import AuditRule, GuardedRule, Ladder, Observation, PaperRule, Rule, Schedule
@@ -56,6 +59,7 @@ __all__ = [
     "AuditRule",
     "Checkpointer",
     "Controller",
+    "DiLoCo",
     "FSDPState",
     "GuardedRule",
     "Ladder",

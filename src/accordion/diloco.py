@@ -1,0 +1,182 @@
+"""DiLoCo (Douillard et al., 2023) on this library's parts: rare, compressed syncs.
+
+Each worker takes ``sync_every`` (H) steps of its own inner optimiser with no gradient
+traffic at all. Then the workers average the *pseudo-gradient*, what the parameters moved
+since the last sync (``anchor - current``), and an outer optimiser (SGD with Nesterov
+momentum, DiLoCo's lr 0.7 and momentum 0.9, by default) steps the anchor with it. The
+average goes through an Accordion state (:class:`~accordion.controller.Controller`), so
+the pseudo-gradients are compressed by the same compressors, ladders and rules as the
+per-step hook, with error feedback carried from round to round, and counted in its
+ledger; each round is one step of that state (``interval_unit="step"``), so its rule
+decides per layer every ``interval`` rounds.
+
+Example, one worker of ``torchrun --nproc-per-node 2``::
+
+    net = Net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    state = accordion.Controller(net, "int", levels=(8, 4), interval=1, interval_unit="step")
+    diloco = accordion.DiLoCo(net, inner, sync_every=50, state=state)
+    for x, y in loader:
+        inner.zero_grad()
+        loss_fn(net(x), y).backward()
+        inner.step()
+        diloco.step()          # every 50th call: the compressed outer step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._validate import check_state_keys
+from .controller import Controller
+
+#: DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr and momentum).
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+_STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state"})
+
+
+def default_outer_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum, lr :data:`OUTER_LR`, momentum :data:`OUTER_MOMENTUM`."""
+    return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+class DiLoCo:
+    """Inner steps without communication, and every ``sync_every`` of them an outer step
+    on the averaged (compressed) pseudo-gradient.
+
+    Args:
+        model: the replica this worker trains, a plain ``nn.Module`` (not DDP: its
+            per-step all-reduce over the same ranks would leave nothing to sync).
+        inner_optimizer: the worker's own optimiser over ``model``'s parameters; its
+            state (e.g. AdamW's moments) stays local, as in DiLoCo.
+        sync_every: H, the inner steps per round (an int >= 1).
+        state: the Accordion state that averages the pseudo-gradients, bound to
+            ``model`` and counting steps (``interval_unit="step"``: one step per round).
+            Default: a dense one, ``Controller(model, "dense", interval_unit="step")``.
+        outer_optimizer: a callable building the outer optimiser from the parameters.
+            Default: :func:`default_outer_optimizer`.
+
+    Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
+    step is collective.
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
+                 *, state: Controller | None = None,
+                 outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                 | None = None):  # fmt: skip
+        self.params = _checked_params(model, inner_optimizer)
+        self.inner = inner_optimizer
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        #: H, the inner steps per round.
+        self.sync_every = sync_every
+        #: The Accordion state that averages the pseudo-gradients.
+        self.state = _checked_state(state, model)
+        build = default_outer_optimizer if outer_optimizer is None else outer_optimizer
+        if not callable(build):
+            raise TypeError(f"outer_optimizer must be a callable or None, got {build!r}")
+        self.outer = build(self.params)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, "
+                            f"got {type(self.outer).__name__}")  # fmt: skip
+        # fp32: H small steps summed in bf16 would round away
+        self._anchor = [p.detach().float().clone() for p in self.params]
+        #: Inner steps taken so far, and outer steps (rounds).
+        self.inner_steps, self.rounds = 0, 0
+
+    def step(self) -> bool:
+        """Count one inner step; at the end of a round, sync (collective). Returns
+        whether this call synced."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The outer step now: average the pseudo-gradients through :attr:`state`, move
+        the parameters back to the anchor and step them with the outer optimiser."""
+        saved = [p.grad for p in self.params]
+        for p, anchor in zip(self.params, self._anchor):
+            p.grad = (anchor - p.float()).to(p.dtype)  # the pseudo-gradient: a descent
+            p.copy_(anchor)
+        self.state.reduce_gradients(self.params)
+        self.outer.step()
+        for p, anchor, grad in zip(self.params, self._anchor, saved):
+            anchor.copy_(p)
+            p.grad = grad  # the inner loop's gradients as they were
+        self.rounds += 1
+        self.state.end_step(self.inner)  # the schedule that matters is the inner one
+
+    def stats(self) -> dict[str, Any]:
+        """The state's ledger (:meth:`Controller.stats`) with ``rounds`` and
+        ``inner_steps``; its ``dense_*`` figures are one dense sync per round."""
+        return {**self.state.stats(), "rounds": self.rounds, "inner_steps": self.inner_steps}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, anchor, outer optimiser and Accordion state (the inner optimiser and
+        the model are the caller's to save, as for any loop)."""
+        return {"inner_steps": self.inner_steps, "rounds": self.rounds,
+                "anchor": [a.clone() for a in self._anchor],
+                "outer": self.outer.state_dict(), "state": self.state.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a missing key or an anchor of other shapes is a
+        ``ValueError``, raised before anything changes."""
+        check_state_keys(saved, _STATE_KEYS, "DiLoCo")
+        anchor = saved["anchor"]
+        shapes = [tuple(a.shape) for a in self._anchor]
+        if not isinstance(anchor, list | tuple) or [tuple(a.shape) for a in anchor] != shapes:
+            raise ValueError(f"anchor must be {len(shapes)} tensors of shapes {shapes[:3]}..., "
+                             "the model's parameters")  # fmt: skip
+        for name in ("inner_steps", "rounds"):
+            value = saved[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.state.load_state_dict(saved["state"])
+        self.outer.load_state_dict(saved["outer"])
+        for mine, theirs in zip(self._anchor, anchor):
+            mine.copy_(theirs)
+        self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
+
+
+def _checked_params(model: Any, optimizer: Any) -> list[nn.Parameter]:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("model must be the plain module, not DistributedDataParallel: DiLoCo "
+                        "replaces its per-step all-reduce with a sync every sync_every steps")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad
+               and id(p) not in stepped]  # fmt: skip
+    if missing:
+        raise ValueError(f"inner_optimizer must step every trainable parameter of model; "
+                         f"it lacks {missing[:5]}")  # fmt: skip
+    return params
+
+
+def _checked_state(state: Any, model: nn.Module) -> Controller:
+    if state is None:
+        return Controller(model, "dense", interval_unit="step")
+    if not isinstance(state, Controller):
+        raise TypeError(f"state must be an accordion Controller (or AccordionState) or None, "
+                        f"got {type(state).__name__}")  # fmt: skip
+    if state.interval_unit != "step":
+        raise ValueError("state must count steps (interval_unit='step'): each round is one "
+                         f"step of it; got interval_unit={state.interval_unit!r}")  # fmt: skip
+    if state.params.module is not model:
+        raise ValueError("state must be bound to model (Controller(model, ...)), "
+                         "so that the pseudo-gradients' keys are model's parameter names")
+    return state
+
+
+__all__ = ["DiLoCo", "default_outer_optimizer", "OUTER_LR", "OUTER_MOMENTUM"]

@@ -1,0 +1,256 @@
+"""accordion.DiLoCo: inner steps without traffic, an outer step on the averaged
+(compressed) pseudo-gradient every ``sync_every`` steps; real gloo processes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accordion import Controller, DiLoCo
+from accordion.diloco import OUTER_LR, OUTER_MOMENTUM
+from distributed import run_processes
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)  # the same start on every rank
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)  # each rank its own data
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _inner_step(net: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(net(x), y).backward()
+    optimizer.step()
+
+
+def _flat(net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+# --- H = 1 with plain SGD outside is data-parallel SGD ---------------------------------
+
+
+def _reference_sgd(world: int, steps: int, lr: float) -> torch.Tensor:
+    """Data-parallel SGD in one process: every rank's gradient averaged each step."""
+    net = _net()
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            net.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.mse_loss(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(net.parameters()):
+                p -= lr * sum(g[i] for g in grads) / world
+    return _flat(net)
+
+
+def _one_step_rounds(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = DiLoCo(net, inner, 1, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    for step in range(5):
+        _inner_step(net, inner, rank, step)
+        assert diloco.step()
+    if rank == 0:
+        torch.save(_flat(net), out)
+
+
+def test_one_inner_sgd_step_per_round_with_a_plain_outer_step_is_data_parallel_sgd(tmp_path):
+    out = tmp_path / "diloco.pt"
+    run_processes(_one_step_rounds, 2, str(out))
+    torch.testing.assert_close(torch.load(out), _reference_sgd(2, 5, 0.1), rtol=1e-5, atol=1e-6)
+
+
+# --- drift between syncs, agreement after them, no traffic in between -------------------
+
+
+def _drift_and_agree(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    diloco = DiLoCo(net, inner, 3)
+    record = []
+    for step in range(6):
+        _inner_step(net, inner, rank, step)
+        synced = diloco.step()
+        a, b = _gathered(_flat(net))
+        record.append((synced, torch.equal(a, b), diloco.stats()["total_bytes"]))
+    if rank == 0:
+        torch.save(record, out)
+
+
+@pytest.fixture(scope="module")
+def drift(tmp_path_factory) -> list[tuple[bool, bool, float]]:
+    """Per inner step of H = 3 on 2 ranks: (synced, ranks equal, bytes sent so far)."""
+    out = tmp_path_factory.mktemp("diloco") / "record.pt"
+    run_processes(_drift_and_agree, 2, str(out))
+    return torch.load(out)
+
+
+def test_between_syncs_the_ranks_drift_apart_and_each_sync_makes_them_bitwise_equal(drift):
+    record = drift
+    assert [r[0] for r in record] == [False, False, True, False, False, True]
+    assert [r[1] for r in record] == [False, False, True, False, False, True]
+
+
+def test_only_the_syncs_send_anything(drift):
+    sent = [r[2] for r in drift]
+    assert sent[0] == sent[1] == 0 < sent[2] == sent[3] == sent[4] < sent[5]
+
+
+# --- compressed rounds -------------------------------------------------------------------
+
+
+def _compressed_rounds(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    state = Controller(net, "int", levels=(4, 4), interval_unit="step")
+    diloco = DiLoCo(net, inner, 2, state=state)
+    for step in range(6):
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+    memory = [state.reducer.memory.get(k) for k in ("0.weight", "2.weight")]
+    stats = diloco.stats()
+    if rank == 0:
+        torch.save({"bytes": stats["total_bytes"], "rounds": stats["rounds"],
+                    "step": stats["step"], "memory": memory,
+                    "dense_floats": stats["dense_floats"]}, out)  # fmt: skip
+
+
+def test_an_int4_sync_sends_less_than_a_dense_one_and_keeps_its_error_for_the_next(tmp_path):
+    out = tmp_path / "compressed.pt"
+    run_processes(_compressed_rounds, 2, str(out))
+    got = torch.load(out)
+    assert got["rounds"] == got["step"] == 3  # one step of the state per round
+    dense_bytes = got["dense_floats"] * 4
+    assert 0 < got["bytes"] < dense_bytes / 4  # 4-bit values and their scales
+    assert all(m is not None and m.abs().sum() > 0 for m in got["memory"])
+
+
+# --- resume -------------------------------------------------------------------------------
+
+
+def _resume(rank: int, world: int, out: str) -> None:
+    def build():
+        net = _net()
+        inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        state = Controller(net, "int", levels=(8, 4), interval=1, interval_unit="step")
+        return net, inner, DiLoCo(net, inner, 2, state=state)
+
+    net, inner, diloco = build()
+    saved = None
+    for step in range(8):
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+        if step == 3:
+            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
+    net2, inner2, diloco2 = build()
+    net2.load_state_dict(saved[0])
+    inner2.load_state_dict(saved[1])
+    diloco2.load_state_dict(saved[2])
+    for step in range(4, 8):
+        _inner_step(net2, inner2, rank, step)
+        diloco2.step()
+    if rank == 0:
+        torch.save((_flat(net), _flat(net2), diloco.rounds, diloco2.rounds), out)
+
+
+def test_a_run_resumed_from_its_state_dict_ends_bitwise_equal_to_a_straight_run(tmp_path):
+    out = tmp_path / "resume.pt"
+    run_processes(_resume, 2, str(out))
+    straight, resumed, rounds, rounds2 = torch.load(out)
+    assert torch.equal(straight, resumed)
+    assert rounds == rounds2 == 4
+
+
+# --- defaults and bad arguments -----------------------------------------------------------
+
+
+def test_the_default_outer_optimizer_is_diloco_nesterov_sgd():
+    net = _net()
+    diloco = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 4)
+    group = diloco.outer.param_groups[0]
+    assert isinstance(diloco.outer, torch.optim.SGD) and group["nesterov"]
+    assert (group["lr"], group["momentum"]) == (OUTER_LR, OUTER_MOMENTUM) == (0.7, 0.9)
+    assert diloco.state.compressor_name == "dense"
+
+
+def test_a_sync_restores_the_inner_loops_gradients():
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = DiLoCo(net, inner, 1)
+    _inner_step(net, inner, 0, 0)
+    before = [p.grad.clone() for p in net.parameters()]
+    diloco.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), before))
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_a_bad_sync_every_is_a_value_error_naming_it(value):
+    net = _net()
+    with pytest.raises(ValueError, match=f"sync_every must be an int >= 1, got {value!r}"):
+        DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), value)
+
+
+def test_an_inner_optimizer_missing_parameters_is_refused_naming_them():
+    net = _net()
+    inner = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"lacks \['2.weight', '2.bias'\]"):
+        DiLoCo(net, inner, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [({"state": "dense"}, TypeError, "state must be an accordion Controller"),
+     ({"outer_optimizer": 3}, TypeError, "outer_optimizer must be a callable or None, got 3"),
+     ({"outer_optimizer": lambda ps: None}, TypeError, "must return a torch.optim.Optimizer")],
+)  # fmt: skip
+def test_bad_keyword_arguments_are_type_errors_naming_them(kwargs, error, match):
+    net = _net()
+    with pytest.raises(error, match=match):
+        DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, **kwargs)
+
+
+def test_a_state_counting_epochs_or_bound_to_another_model_is_refused():
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="interval_unit='step'"):
+        DiLoCo(net, inner, 2, state=Controller(net, "int", levels=(8, 4)))
+    other = Controller(_net(), "int", levels=(8, 4), interval_unit="step")
+    with pytest.raises(ValueError, match="state must be bound to model"):
+        DiLoCo(net, inner, 2, state=other)
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error():
+    net = _net()
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        DiLoCo("net", torch.optim.SGD(net.parameters(), lr=0.1), 2)
+
+
+def test_a_state_dict_of_another_model_is_refused_and_changes_nothing():
+    net = _net()
+    diloco = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2)
+    other = nn.Linear(3, 3)
+    saved = DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), 2).state_dict()
+    before = diloco.state_dict()
+    with pytest.raises(ValueError, match="anchor must be 4 tensors"):
+        diloco.load_state_dict(saved)
+    after = diloco.state_dict()
+    assert after["inner_steps"] == before["inner_steps"]
+    assert all(torch.equal(a, b) for a, b in zip(after["anchor"], before["anchor"]))
