@@ -31,6 +31,8 @@ ALL_FAMILIES = [
     "accordion:powersgd:2,1:auto",
     "static:half:fp16",
     "accordion:powersgd:4,2,1",
+    "diloco:2",
+    "diloco:2+static:int:4",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -62,6 +64,13 @@ def test_every_strategy_family_trains_end_to_end_with_two_workers(compared):
         assert all(0.0 <= e["test_metric"] <= 100.0 for e in run["epochs"])
         floats = [e["floats"] for e in run["epochs"]]
         assert floats == sorted(floats) and floats[0] > 0
+
+
+def test_diloco_every_2_steps_sends_half_of_dense_and_int4_less_again(compared):
+    _, results = compared
+    sent = {r["strategy"]: r["epochs"][-1]["bytes"] for r in results["runs"]}
+    assert sent["diloco:2"] == pytest.approx(sent["dense"] / 2, rel=1e-9)
+    assert 0 < sent["diloco:2+static:int:4"] < sent["diloco:2"] / 4
 
 
 def test_an_auto_strategy_records_the_cost_models_measurements(compared):

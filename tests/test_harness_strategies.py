@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import pytest
@@ -349,3 +350,43 @@ def test_torch_bf16_on_a_machine_without_cuda_is_refused_before_training(monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="bf16_compress_hook needs CUDA"):
         TrainConfig(strategy="torch-bf16").validate()
+
+
+# --- DiLoCo -------------------------------------------------------------------------------
+
+
+def test_diloco_h_is_a_dense_sync_every_h_steps_and_registers_no_hook():
+    s = parse_strategy("diloco:25")
+    assert (s.family, s.compressor, s.sync_every, s.uses_accordion_hook) == (
+        "dense", "dense", 25, False
+    )  # fmt: skip
+
+
+def test_diloco_h_plus_a_compression_strategy_compresses_the_sync():
+    s = parse_strategy("diloco:10+accordion:int:8,4:every=2")
+    assert (s.family, s.compressor, s.levels, s.interval, s.sync_every) == (
+        "accordion", "int", (8, 4), 2, 10
+    )  # fmt: skip
+    assert not s.uses_accordion_hook
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("diloco:0", "H, the inner steps per sync, an int >= 1; got '0'"),
+     ("diloco:x+static:int:4", "an int >= 1; got 'x'"),
+     ("diloco:5+torch-fp16", "combines with dense, a static or an accordion strategy"),
+     ("diloco:5+static:int:4:auto", "(without :auto)")],
+)  # fmt: skip
+def test_a_malformed_diloco_strategy_is_a_value_error_naming_it(text, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_strategy(text)
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [({"task": "wikitext2"}, "not 'wikitext2'"),
+     ({"checkpoint_dir": "ckpt"}, "does not resume yet")],
+)  # fmt: skip
+def test_a_diloco_run_refuses_a_hidden_state_task_and_checkpoints(settings, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        TrainConfig(strategy="diloco:5", **settings).validate()

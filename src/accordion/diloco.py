@@ -25,7 +25,8 @@ Example, one worker of ``torchrun --nproc-per-node 2``::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -112,6 +113,21 @@ class DiLoCo:
             p.grad = grad  # the inner loop's gradients as they were
         self.rounds += 1
         self.state.end_step(self.inner)  # the schedule that matters is the inner one
+
+    @contextlib.contextmanager
+    def synced(self) -> Iterator[None]:
+        """Inside the block the parameters hold the last sync's values, the same on every
+        rank (what to evaluate); the worker's own are put back after it."""
+        own = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, anchor in zip(self.params, self._anchor):
+                p.copy_(anchor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self.params, own):
+                    p.copy_(mine)
 
     def stats(self) -> dict[str, Any]:
         """The state's ledger (:meth:`Controller.stats`) with ``rounds`` and

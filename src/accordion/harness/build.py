@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..batch import BatchSizeController
+from ..diloco import DiLoCo
 from ..models import get_model
 from ..policy import PaperRule
 from .attach import attach_strategy
@@ -44,14 +45,17 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     compute_s = None
     if calibrates or config.measure_compute:  # the same on every rank: collective
         compute_s = step_compute(ddp, data, config, rank, world, device)
-    if calibrates:  # collective: the link and the compression costs
+    if calibrates and state is not None:  # collective: the link and the compression costs
         state.calibrate(compute_s=compute_s)
     traffic = Traffic(strategy, model, state, world)
     optimizer = make_optimizer(config, model)
     logger = Logger(config.out if rank == 0 else None, config)
+    diloco = None
+    if strategy.sync_every is not None:
+        diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state)
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
-               compute_s if config.measure_compute else None)  # fmt: skip
+               compute_s if config.measure_compute else None, diloco)  # fmt: skip
 
 
 def _device(local_rank: int) -> torch.device:
@@ -65,7 +69,7 @@ def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimiz
     SGD with ``momentum`` or AdamW with ``betas``, both with ``weight_decay``."""
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
-            model.parameters(), lr=config.lr_at(0), betas=tuple(config.betas),
+            model.parameters(), lr=config.lr_at(0), betas=(config.betas[0], config.betas[1]),
             weight_decay=config.weight_decay,
         )  # fmt: skip
     return torch.optim.SGD(
@@ -90,7 +94,8 @@ def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int)
             f"strategy {strategy.text!r}: batch-size strategies support classification tasks, "
             f"not {config.task!r}"
         )
-    for size in (strategy.batch_small, strategy.batch_large):
+    small, large = strategy.batch_sizes()
+    for size in (small, large):
         if size % world:
             raise ValueError(
                 f"strategy {strategy.text!r}: batch {size} must be a multiple of the number "
@@ -99,7 +104,7 @@ def _batch_controller(config: TrainConfig, strategy: Strategy, data, world: int)
     if strategy.batch_mode == "static":
         return None
     return BatchSizeController(
-        strategy.batch_small, strategy.batch_large, micro_batch=strategy.batch_small // world,
+        small, large, micro_batch=small // world,
         world_size=world, interval=_batch_interval(config),
         eta=config.eta, mode=strategy.batch_mode,
         fixed_switch_epoch=config.batch_switch_epoch, lr_scaling=config.lr_scaling,

@@ -103,6 +103,18 @@ class TrainConfig:
             check_int("world", world, 1)
         self._check_settings()
         self._check_task_and_batches(strategy, world)
+        self._check_diloco(strategy)
+
+    def _check_diloco(self, strategy: Strategy) -> None:
+        """DiLoCo runs: a task whose step holds no hidden state, and no checkpoints."""
+        if strategy.sync_every is None:
+            return
+        if self.task == "wikitext2":
+            raise ValueError(f"strategy {strategy.text!r}: DiLoCo strategies support "
+                             "classification and charlm tasks, not 'wikitext2'")  # fmt: skip
+        if self.checkpoint_dir is not None:
+            raise ValueError(f"strategy {strategy.text!r}: a DiLoCo run does not resume yet "
+                             "(its ranks differ between syncs): drop --checkpoint-dir")  # fmt: skip
 
     def _check_settings(self) -> None:
         """The type and range of every setting that needs neither the task nor the world."""
@@ -170,8 +182,10 @@ class TrainConfig:
         ]  # fmt: skip
         for what, size, trained in batches:
             check_global_batch(what, size, world, train_size if trained else None)
-        small, large = strategy.batch_small, strategy.batch_large
-        if strategy.batch_mode in ("adaptive", "fixed") and large % small:
+        if strategy.batch_mode not in ("adaptive", "fixed"):
+            return
+        small, large = strategy.batch_sizes()
+        if large % small:
             raise ValueError(
                 f"strategy {strategy.text!r}: LARGE ({large}) must be a multiple of SMALL "
                 f"({small}): a large batch accumulates whole small ones"

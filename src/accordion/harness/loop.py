@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
 from ..ddp import AccordionState
+from ..diloco import DiLoCo
 from .baselines import Traffic
 from .config import TrainConfig
 from .data import (
@@ -55,6 +56,8 @@ class Run:
     logger: Logger
     #: ``TrainConfig.measure_compute``'s measurement (s), else ``None``.
     compute_step_s: float | None = None
+    #: A DiLoCo strategy's rounds (``state`` averages its pseudo-gradients), else ``None``.
+    diloco: DiLoCo | None = None
 
 
 def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
@@ -68,7 +71,7 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
     start = time.perf_counter()
     loss_sum, batches, step_times = train_epoch(
         run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
-        run.device, run.traffic, batch, controller, state=state,
+        run.device, run.traffic, batch, controller, state=state, diloco=run.diloco,
     )  # fmt: skip
     train_time += time.perf_counter() - start
     next_lr = config.lr_at(epoch + 1)
@@ -77,7 +80,9 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
     if controller is not None:
         last_lr = config.lr_at(epoch + (steps_per_epoch - 1) / steps_per_epoch)
         controller.end_epoch(epoch, lr_will_decay=next_lr < last_lr)
-    tested = evaluation(run.model, run.data, config, run.rank, run.world, run.device)
+    # DiLoCo: the model of the last sync, the same on every rank
+    with contextlib.nullcontext() if run.diloco is None else run.diloco.synced():
+        tested = evaluation(run.model, run.data, config, run.rank, run.world, run.device)
     loss = torch.tensor([loss_sum, batches], dtype=torch.float64)
     if run.world > 1:
         dist.all_reduce(loss)
@@ -100,13 +105,15 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
 
 
 def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
-                traffic: Traffic, batch: int, controller,
-                state: AccordionState | None = None) -> tuple[float, int, list[float]]:  # fmt: skip
+                traffic: Traffic, batch: int, controller, state: AccordionState | None = None,
+                diloco: DiLoCo | None = None) -> tuple[float, int, list[float]]:  # fmt: skip
     """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
     controller, each rank's share is split into micro-batches whose gradients accumulate
     under ``no_sync()``: one all-reduce and one optimizer step per global batch. With a
     ``state`` counting steps (``interval_unit="step"``), ``state.end_step`` follows every
     optimizer step, given the next step's scheduled rate (collective at a window's end).
+    With ``diloco``, backward runs under ``no_sync()`` (each rank's own gradient) and
+    ``diloco.step()`` follows each optimizer step (collective at a round's end).
 
     Returns this rank's loss sum, the number of steps and each step's wall time (s, from
     before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
@@ -136,6 +143,8 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             step_loss = loss.item()
+        elif diloco is not None:
+            step_loss = _accumulate(ddp, [x], [y], sync=False)
         else:
             step_loss = _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation))
         if config.clip is not None:
@@ -146,7 +155,9 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         optimizer.step()
         if controller is not None:
             controller.step()
-        if state is not None and state.interval_unit == "step":
+        if diloco is not None:
+            diloco.step()
+        elif state is not None and state.interval_unit == "step":
             state.end_step(next_lr=config.lr_at(epoch + (step + 1) / steps_per_epoch))
         step_times.append(time.perf_counter() - started)
         traffic.step()
@@ -155,14 +166,15 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
     return loss_sum, count, step_times
 
 
-def _accumulate(ddp: DDP, xs, ys) -> float:
+def _accumulate(ddp: DDP, xs, ys, sync: bool = True) -> float:
     """Forward/backward over micro-batches; only the last one synchronises (one all-reduce
-    of the summed gradients). Returns the global-batch loss on this rank."""
+    of the summed gradients), none without ``sync``. Returns the global-batch loss on
+    this rank."""
     scale = accumulation_loss_scale(len(xs))
     total = 0.0
     for i, (x, y) in enumerate(zip(xs, ys)):
-        sync = i == len(xs) - 1
-        with contextlib.nullcontext() if sync else ddp.no_sync():
+        last = sync and i == len(xs) - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
             loss = output_loss(ddp(x), y) * scale
             loss.backward()
         total += loss.item()

@@ -38,6 +38,11 @@ Batch-size strategies (Accordion's second lever), dense communication by default
 
 A batch strategy combines with a compression strategy through ``+``, e.g.
 ``batch:64,512+accordion:powersgd:4,1``.
+
+Rare syncs (:class:`accordion.DiLoCo`): ``diloco:H`` takes H inner steps on each worker
+without communication, then averages the pseudo-gradient dense for an outer Nesterov
+step; ``diloco:H+<static or accordion strategy>`` compresses that average, e.g.
+``diloco:25+static:int:4`` (each round is one step of the state: ``every=N`` counts rounds).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
+    "diloco:H",
+    "diloco:H+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
 #: The compressor of PyTorch's own hook, the ``torch-powersgd:R`` baseline.
@@ -101,6 +108,7 @@ class Strategy:
     interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
     block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
     tau: float | None = None  # the audit rule's error budget (None: its default)
+    sync_every: int | None = None  # DiLoCo's H, inner steps per sync (None: every step, DDP)
 
     @property
     def mild(self) -> Any:
@@ -114,8 +122,15 @@ class Strategy:
 
     @property
     def uses_accordion_hook(self) -> bool:
-        """Whether the run registers our hook (static and Accordion strategies)."""
-        return self.family in ("static", "accordion")
+        """Whether the run registers our hook (static and Accordion strategies, not DiLoCo)."""
+        return self.family in ("static", "accordion") and self.sync_every is None
+
+    def batch_sizes(self) -> tuple[int, int]:
+        """``(SMALL, LARGE)``, the global batch sizes of a batch-size strategy (one with a
+        ``batch_mode``); ``ValueError`` for a strategy without them."""
+        if self.batch_small is None or self.batch_large is None:
+            raise ValueError(f"strategy {self.text!r} has no batch sizes")
+        return self.batch_small, self.batch_large
 
 
 def _level(cls: type[Compressor], text: str, whole: str) -> Any:
@@ -174,6 +189,8 @@ def parse_strategy(text: str) -> Strategy:
     if not isinstance(text, str):
         raise TypeError(f"strategy must be a str, got {type(text).__name__}")
     first, plus, rest = text.strip().partition("+")
+    if first.startswith("diloco:"):
+        return _parse_diloco(first, rest if plus else "dense", text)
     batch = _parse_batch(first, text)
     if batch is not None:
         comm = _parse_communication(rest, text) if plus else Strategy(text, "dense", "dense")
@@ -187,6 +204,19 @@ def parse_strategy(text: str) -> Strategy:
             "e.g. batch:64,512+accordion:powersgd:4,1"
         )
     return _parse_communication(text, text)
+
+
+def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
+    """``diloco:H`` and ``diloco:H+<dense, static or accordion strategy>``."""
+    h = first.partition(":")[2]
+    if not (h.isdigit() and int(h) >= 1):
+        raise ValueError(f"strategy {whole!r}: diloco:H takes H, the inner steps per sync, "
+                         f"an int >= 1; got {h!r}")  # fmt: skip
+    comm = _parse_communication(rest, whole)
+    if comm.family not in ("dense", "static", "accordion") or comm.auto:
+        raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
+                         "accordion strategy (without :auto)")  # fmt: skip
+    return dataclasses.replace(comm, text=whole, sync_every=int(h))
 
 
 def _malformed(whole: str) -> ValueError:
@@ -250,6 +280,7 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for item in items:
         name, _, value = item.partition("=")
+        parsed: Any
         if item == "auto":
             key, parsed = "auto", True
         elif item in RULES:
