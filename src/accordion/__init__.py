@@ -7,7 +7,7 @@ compressed syncs ``DiLoCo``, the rules
 and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Ladder``,
 ``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
 (``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
-``make_compressor`` and ``__version__``. Modules:
+``make_compressor``, ``summarize`` and ``__version__``. Modules:
 
 * ``accordion.ddp`` -- Accordion as a DDP communication hook (``AccordionState``);
 * ``accordion.fsdp`` -- Accordion across the replicas of FSDP2's hybrid sharding;
@@ -20,6 +20,7 @@ and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Lad
 * ``accordion.audit`` -- the fidelity audit: a dense step per period and each rung's error;
 * ``accordion.params`` -- stable names for the parameters, the same on every rank;
 * ``accordion.report`` -- what the controller tells about itself (costs, statistics);
+* ``accordion.summary`` -- two lines of what a run did: its levels and bytes against dense;
 * ``accordion.accounting`` -- floats and bytes sent, per tensor and per layer;
 * ``accordion.costmodel`` -- alpha-beta predictions of communication time;
 * ``accordion.plan`` -- what a compressor would send for a model (``accordion plan``);
@@ -50,6 +51,7 @@ from .diloco import DiLoCo
 from .fsdp import FSDPState
 from .plan import layer_plan, make_plan, scaling_plan
 from .policy import AuditRule, GuardedRule, Ladder, Observation, PaperRule, Rule, Schedule
+from .summary import summarize
 
 #: Subpackages loaded on first access (PEP 562): not needed by the hook, or heavier.
 _LAZY_SUBMODULES = ("batch", "cli", "integrations", "models")
@@ -75,6 +77,7 @@ __all__ = [
     "make_compressor",
     "make_plan",
     "scaling_plan",
+    "summarize",
 ]
 
 

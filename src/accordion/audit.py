@@ -76,8 +76,8 @@ def audited_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor],
     views of), then hand ``measured`` the errors of the keys in ``audited``. The
     error-feedback memories are left as they are: what they owe goes with a later step."""
     yield from average_in_place(grads, world, buffer)
-    audited = set(audited)
-    chosen = [i for i, k in enumerate(keys) if k in audited]
+    audited_set = set(audited)
+    chosen = [i for i, k in enumerate(keys) if k in audited_set]
     measured(relative_errors(ladder, [keys[i] for i in chosen], [grads[i] for i in chosen],
                              options))  # fmt: skip
     return all(bool(torch.isfinite(g).all()) for g in grads)

@@ -227,7 +227,8 @@ class Controller:
                                  "(pass model= to AccordionState or call bind_module)")  # fmt: skip
             parameters = self.params.module.parameters()
         params = [p for p in parameters if p.grad is not None]
-        self.transport().run(self.reduce(self.params.keys(params), [p.grad for p in params]))
+        grads = [p.grad for p in params if p.grad is not None]  # all of params' (for the type)
+        self.transport().run(self.reduce(self.params.keys(params), grads))
 
     calibrate = calibrate  # the function is the method: calibrate(controller, bandwidth, ...)
 
@@ -266,7 +267,8 @@ class Controller:
         """
         if self.interval_unit != "epoch":
             raise ValueError("end_epoch needs interval_unit='epoch'; this state counts steps")
-        return self.decider.end(optimizer, next_lr, lr_will_decay, _Host(self))
+        decision = self.decider.end(optimizer, next_lr, lr_will_decay, _Host(self))
+        return {} if decision is None else decision  # None only at a step, never at an epoch
 
     def end_step(self, optimizer: torch.optim.Optimizer | None = None, *,
                   next_lr: float | None = None,

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # imported where used at run time: FSDP2 exists in newer torch only
+    from torch.distributed.fsdp import FSDPModule
 
 from .compress import TorchTransport
 from .controller import Controller
@@ -99,10 +102,12 @@ class FSDPState(Controller):
             module.set_gradient_divide_factor(float(self.shard_size))
             module.set_all_reduce_hook(partial(self._reduce, layout))
 
-    def _layout(self, model: nn.Module, module: nn.Module) -> list[_Piece]:
+    def _layout(self, model: nn.Module, module: FSDPModule) -> list[_Piece]:
         """The pieces of ``module``'s parameter group, named after ``model``'s parameters."""
         names = {id(p): n for n, p in model.named_parameters()}
         group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:  # _hooked_groups keeps only the modules that own parameters
+            raise RuntimeError(f"{type(module).__name__} owns no FSDP parameter group")
         pieces, offset = [], 0
         for fsdp_param in group.fsdp_params:
             if fsdp_param.fsdp_placement.dim != 0:
@@ -152,7 +157,7 @@ def _mesh_groups(mesh: Any, dims: Sequence[str]) -> tuple[Any, Any]:
     return mesh.get_group(dims[0]), mesh.get_group(dims[1])
 
 
-def _hooked_groups(model: nn.Module) -> list[nn.Module]:
+def _hooked_groups(model: nn.Module) -> list[FSDPModule]:
     """The FSDP modules of ``model`` that own parameters, after checking the sharding."""
     from torch.distributed.fsdp import FSDPModule  # lazy: FSDP2 exists in newer torch only
 
@@ -163,7 +168,7 @@ def _hooked_groups(model: nn.Module) -> list[nn.Module]:
         raise ValueError(
             "model has no FSDP module: shard it with fully_shard(..., mesh=mesh['shard']) first"
         )
-    owning = []
+    owning: list[FSDPModule] = []
     for module in modules:
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:

@@ -81,12 +81,12 @@ def stats(controller: Any, compressed: Sequence[str]) -> dict[str, Any]:
     """
     comp = controller.reducer.compressor
     totals = controller.ledger.totals()
-    compressed = set(compressed)
+    compressed_set = set(compressed)
     layers = {}
     for key, shape in controller.params.shapes.items():
         sent = totals.get(key, {"floats": 0, "bytes": 0.0})
         layers[key] = {
-            "level": comp.level(key) if key in compressed else None,
+            "level": comp.level(key) if key in compressed_set else None,
             "shape": list(shape),
             "floats": sent["floats"],
             "bytes": sent["bytes"],

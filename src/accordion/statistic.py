@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -72,10 +72,11 @@ class Statistic:
     their norms. Subclasses say whose sums count (:meth:`observe`) and how the ranks
     agree (:meth:`agreement`)."""
 
+    # class attributes, not ClassVar: ShardCombined takes its inner statistic's per instance
     #: The name ``statistic=`` and checkpoints give it.
-    name: ClassVar[str] = "statistic"
+    name: str = "statistic"
     #: Where a layer's statistic comes from, in words (for warnings).
-    source: ClassVar[str] = "this rank"
+    source: str = "this rank"
 
     def __init__(self) -> None:
         #: This rank's gradient sums since the last check.

@@ -122,7 +122,8 @@ class GradientSums:
 
     def rename(self, old: str, new: str) -> None:
         """Move ``old``'s sum and counts to ``new``."""
-        for table in (self._sums, self._steps, self._skipped):
+        tables: tuple[dict[str, Any], ...] = (self._sums, self._steps, self._skipped)
+        for table in tables:
             if old in table:
                 table[new] = table.pop(old)
 

@@ -67,14 +67,16 @@ class MeanGradient:
         #: Optimizer steps added so far.
         self.steps = steps
 
-    def _start(self, sums: Sequence[torch.Tensor]) -> None:
-        self._sums = GradientSums()
+    def _start(self, sums: Sequence[torch.Tensor]) -> GradientSums:
+        """Start the sums at ``sums``; returns them (also ``self._sums``)."""
+        self._sums = started = GradientSums()
         # the sums keep the dtype they load with: float64, where GradientSums starts fp32
-        self._sums.load_state_dict({
+        started.load_state_dict({
             "sums": {str(i): s for i, s in enumerate(sums)},
             "steps": {}, "skipped": {}, "skipped_total": {},
         })  # fmt: skip
         self._shapes = [tuple(s.shape) for s in sums]
+        return started
 
     def add(self, grads: Sequence[torch.Tensor]) -> None:
         """Add one step's gradients (checked by :func:`check_grads`); the first call
@@ -83,8 +85,9 @@ class MeanGradient:
         Raises:
             ValueError: the number or shapes of the tensors differ from the first call's.
         """
-        if self._sums is None:
-            self._start(_zero_sums(grads))
+        sums = self._sums
+        if sums is None:
+            sums = self._start(_zero_sums(grads))
         elif len(grads) != len(self._shapes) or any(
             tuple(g.shape) != shape for g, shape in zip(grads, self._shapes)
         ):
@@ -93,7 +96,7 @@ class MeanGradient:
                 f"{self._shapes}, got {[tuple(g.shape) for g in grads]}"
             )
         for i, g in enumerate(grads):
-            self._sums.add(str(i), g)
+            sums.add(str(i), g)
         self.steps += 1
 
     def statistic(self) -> float | None:

@@ -163,6 +163,7 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
         _raise_unless_all(error, f"loading checkpoint set {path}")
+        assert loaded is not None  # else error was set, and raised above
         marker, own, first, accordion_state = loaded
         try:  # the Accordion state first: it checks everything before it changes anything
             _apply(first, own, model, optimizer, scheduler, accordion, accordion_state, batch)
@@ -261,7 +262,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
 def _rng_state() -> dict[str, Any]:
     import numpy as np
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # a dict only for a bit generator other than MT19937
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"torch": torch.get_rng_state(), "python": _plain(random.getstate()),
              "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached]}  # fmt: skip
     if torch.cuda.is_available():

@@ -25,6 +25,8 @@ def _break_even(shapes, workers: int, rows) -> dict[str, Any]:
     """The break-even of ``--json``: where the levels' compressor (``rows[1:]``) stops
     paying, and each level's bytes against dense's (null where dense sends nothing)."""
     described = break_even(shapes, rows[-1].compressor, workers)
+    if described is None:  # callers ask only where _shows_break_even
+        raise ValueError(f"compressor {rows[-1].compressor!r} describes no break-even")
     dense = rows[0].bytes_per_step
     ratios = [row.bytes_per_step / dense if dense else None for row in rows[1:]]
     return {**described.as_dict(), "bytes_vs_dense": ratios}

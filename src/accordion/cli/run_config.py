@@ -96,7 +96,8 @@ def _config_flags() -> tuple[tuple[str, type | None, str], ...]:
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``train`` and ``compare``; None means "from the preset or default"."""
     for flag, kind, text in _config_flags():
-        parser.add_argument(flag, type=kind, default=None, help=text)
+        # str for None (argparse's default): the same value, and a type add_argument's stubs take
+        parser.add_argument(flag, type=kind or str, default=None, help=text)
     parser.add_argument(
         "--workers", type=int, default=1, help="local worker processes (ignored under torchrun)"
     )
@@ -197,7 +198,8 @@ def _config_error(parser: argparse.ArgumentParser, exc: Exception, strategy_flag
     """The usage error of a ``TrainConfig.validate`` error, naming the flag of the setting
     that the message starts with (``strategy`` is ``strategy_flag``)."""
     text = str(exc)
-    name = re.match(r"[a-z_]*", text).group()
+    match = re.match(r"[a-z_]*", text)  # matches always, if only the empty string
+    name = match.group() if match else ""
     if name == "strategy":
         parser.error(f"argument {strategy_flag}: {text}")
     if name in {f.name for f in dataclasses.fields(TrainConfig)}:

@@ -253,7 +253,8 @@ class TorchrunRunner:
             raise TypeError(f"args must be a sequence of str, got {args!r}")
         # not check_number: it would refuse an infinite timeout, which waits for ever here
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not float(timeout) > 0
         ):
             raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
 

@@ -316,7 +316,8 @@ class Dense(Compressor):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         flat.div_(world_size)
         yield [AllReduce(flat)]
-        outputs, offset = [], 0
+        outputs: Result = []
+        offset = 0
         for t in tensors:
             outputs.append((flat[offset : offset + t.numel()].view(t.shape), None))
             offset += t.numel()

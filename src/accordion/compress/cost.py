@@ -47,7 +47,10 @@ class BreakEvenDescription(Protocol):
     :meth:`CostDescription.break_even` returns it: any frozen record with
     :meth:`as_dict`; :meth:`CostDescription.break_even_text` writes it for people."""
 
-    workers: int
+    @property
+    def workers(self) -> int:
+        """The worker count W (read-only, so that a frozen dataclass matches)."""
+        ...
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of the break-even (``accordion plan --json``)."""

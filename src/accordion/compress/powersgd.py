@@ -307,7 +307,8 @@ class PowerSGD(Compressor):
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         super().rename(old, new)
-        for table in (self._q, self._q_level):
+        tables: tuple[dict[Hashable, Any], ...] = (self._q, self._q_level)
+        for table in tables:
             if old in table:
                 table[new] = table.pop(old)
 

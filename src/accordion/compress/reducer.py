@@ -150,7 +150,7 @@ class Reducer:
         self.dense_keys = dense
         self.non_finite_steps = count
 
-    def check_shapes(self, shapes: Mapping[Hashable, Any]) -> None:
+    def check_shapes(self, shapes: Mapping[Any, Any]) -> None:  # Any keys: Mapping's invariant
         """Raise ``ValueError`` unless the compressor's state, the memories and the dense
         keys fit tensors of ``shapes`` (a loaded checkpoint's consistency)."""
         self.compressor.check_shapes(shapes)
@@ -293,6 +293,8 @@ class Reducer:
             live: dict[int, int] = {}
             for key in self.memory.keys():
                 m = self.memory.get(key)
+                if m is None:  # keys() holds only the non-zero memories
+                    continue
                 address = _storage(m)[0]
                 live[address] = live.get(address, 0) + m.numel() * m.element_size()
             self._live = live
@@ -334,7 +336,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def _recording(exchange: Exchange[Any], received: list[torch.Tensor]) -> Exchange[Any]:
     """Pass ``exchange`` through, appending every collective's result to ``received``."""
-    reply = None
+    reply: Any = None  # a generator's first send must be None, which send's type forbids
     while True:
         try:
             phase = exchange.send(reply)

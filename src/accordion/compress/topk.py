@@ -206,7 +206,8 @@ class TopK(Compressor):
         dense = torch.zeros(sum(numels), dtype=sent_values.dtype, device=device)
         dense.index_add_(0, (all_indices.long() + offsets).view(-1), all_values.view(-1))
         dense.div_(world_size)
-        results, offset = [], 0
+        results: Result = []
+        offset = 0
         for t in tensors:
             results.append((dense[offset : offset + t.numel()].view(t.shape), t))
             offset += t.numel()

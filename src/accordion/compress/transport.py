@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class SimulatedTransport:
                 f"got {len(exchanges)}"
             )
         results: list[Any] = [None] * self.world_size
-        phases = []
+        phases: list[list[Collective] | None] = []
         for ex in exchanges:
             try:
                 phases.append(next(ex))
@@ -132,9 +132,10 @@ class SimulatedTransport:
                 phases.append(None)
                 results[len(phases) - 1] = stop.value
         while any(p is not None for p in phases):
-            if any(p is None for p in phases):
+            ready = [p for p in phases if p is not None]
+            if len(ready) != len(phases):
                 raise RuntimeError("workers disagree on the number of communication phases")
-            replies = self._execute(phases)
+            replies = self._execute(ready)
             for w, ex in enumerate(exchanges):
                 try:
                     phases[w] = ex.send(replies[w])
@@ -163,9 +164,10 @@ class SimulatedTransport:
                     op.tensor.copy_(total)
                     replies[w].append(op.tensor)
             elif kind is Broadcast:
-                if any(op.src != ops[0].src for op in ops):
+                broadcasts = cast("list[Broadcast]", ops)  # all of type kind, checked above
+                if any(op.src != broadcasts[0].src for op in broadcasts):
                     raise RuntimeError(f"workers disagree on the source of broadcast {j}")
-                source = ops[ops[0].src].tensor.clone()
+                source = ops[broadcasts[0].src].tensor.clone()
                 for w, op in enumerate(ops):
                     op.tensor.copy_(source)
                     replies[w].append(op.tensor)
@@ -196,7 +198,7 @@ class LocalTransport:
 
     def run(self, exchange: Exchange[T]) -> T:
         """Run an exchange to completion and return its result."""
-        reply = None
+        reply: Any = None  # a generator's first send must be None, which send's type forbids
         while True:
             try:
                 phase = exchange.send(reply)
@@ -426,6 +428,8 @@ def group_timeout(process_group: Any = None) -> timedelta | None:
     carries it in its options (``options._timeout``, torch 2.x).
     """
     group = process_group if process_group is not None else dist.group.WORLD
+    if group is None:  # no default group
+        return None
     for device in getattr(group, "_device_types", ()):
         try:
             backend = group._get_backend(device)

@@ -73,8 +73,8 @@ class AccordionTrainerCallback(TrainerCallback):
         check_state(state)
         self.accordion_state = state
         self.checkpoint = check_bool("checkpoint", checkpoint)
-        self.trainer = None
-        self._ddp = None  # the DDP module the hook is on; a second train() reuses it
+        self.trainer: Any = None  # a transformers.Trainer, once attached
+        self._ddp: Any = None  # the DDP module the hook is on; a second train() reuses it
         self._active = False
         if trainer is not None:
             self.attach(trainer)

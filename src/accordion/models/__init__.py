@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -84,7 +85,7 @@ MODEL_NAMES: tuple[str, ...] = (
 """Names accepted by :func:`get_model`."""
 
 
-def get_model(name: str, num_classes: int = 10, **kwargs: object) -> nn.Module:
+def get_model(name: str, num_classes: int = 10, **kwargs: Any) -> nn.Module:
     """Build a freshly initialised model by name.
 
     Args:
@@ -108,17 +109,15 @@ def get_model(name: str, num_classes: int = 10, **kwargs: object) -> nn.Module:
         raise TypeError(f"model name must be a str, got {type(name).__name__}: {name!r}")
     if name not in MODEL_NAMES:
         raise ValueError(f"unknown model {name!r}; allowed names: {', '.join(MODEL_NAMES)}")
-    # bool is a subclass of int, but num_classes=True is surely a mistake.
-    if (
-        isinstance(num_classes, bool)
-        or not isinstance(num_classes, numbers.Integral)
-        or num_classes < 1
-    ):
-        wrong_type = isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral)
+    # bool is a subclass of int, but num_classes=True is surely a mistake. int in the
+    # tuples as well: mypy takes int and numbers.Integral as disjoint (no code after)
+    integral = (int, numbers.Integral)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, integral) or num_classes < 1:
+        wrong_type = isinstance(num_classes, bool) or not isinstance(num_classes, integral)
         error = TypeError if wrong_type else ValueError
         raise error(f"num_classes must be a positive int (1, 2, ...), got {num_classes!r}")
     if name == "lstm":
-        return LSTMLanguageModel(**kwargs)  # type: ignore[arg-type]
+        return LSTMLanguageModel(**kwargs)
     if name in _TRANSFORMERS:
         return _transformer(name, **kwargs)
     return _CLASSIFIERS[name](num_classes=int(num_classes), **kwargs)

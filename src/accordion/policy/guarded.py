@@ -26,13 +26,20 @@ where they were, and the same switch to rank 1 after the first decay does no har
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from .._validate import check_bool, check_int
 from .ladder import Ladder
-from .rules import Observation, Rule, check_eta, check_rule_state, kept_norms, loaded_norms
+from .rules import (
+    Observation,
+    Rule,
+    _comparable,
+    check_eta,
+    check_rule_state,
+    kept_norms,
+    loaded_norms,
+)
 from .schedule import check_drop
 
 #: The guarded rule's default decay threshold: a fall of the lr to half or less.
@@ -121,8 +128,7 @@ class GuardedRule(Rule):
         """One layer's rung and its history record."""
         old = self.norms.get(name)
         # an old norm that is not finite (saved before the finite check) compares with nothing
-        comparable = old is not None and old != 0 and math.isfinite(old)
-        ratio = abs(old - new) / old if comparable else None
+        ratio = abs(old - new) / old if _comparable(old) else None
         current = observation.rungs.get(name, 0)
         limit = min(self.limits.get(name, ladder.top), self._floor(ladder))
         relapse = False
@@ -130,6 +136,7 @@ class GuardedRule(Rule):
             rung = 0
         elif ratio >= self.eta:
             # compression falling behind shows as a norm that grows, right after a descent
+            assert old is not None  # a ratio comes only from an old norm
             relapse = name in self.probation and current > 0 and new > old
             if relapse:  # the last descent was one rung too far at this learning rate
                 limit = self.limits[name] = current - 1

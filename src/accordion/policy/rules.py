@@ -15,7 +15,7 @@ import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from .._validate import check_state_keys
 from .ladder import Ladder
@@ -101,12 +101,13 @@ def check_eta(eta: Any) -> float:
     """Validate the paper's threshold (a finite float > 0) and return it."""
     if isinstance(eta, bool) or not isinstance(eta, numbers.Real):
         raise TypeError(f"eta must be a finite float > 0 (a relative change), got {eta!r}")
-    if not (math.isfinite(eta) and eta > 0):
+    number = float(eta)
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(f"eta must be a finite float > 0 (a relative change), got {eta!r}")
-    return float(eta)
+    return number
 
 
-def _comparable(old: float | None) -> bool:
+def _comparable(old: float | None) -> TypeGuard[float]:
     """Whether a remembered norm can be compared with a new one (a relative change)."""
     return old is not None and old != 0 and math.isfinite(old)
 

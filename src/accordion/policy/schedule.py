@@ -51,9 +51,10 @@ def check_drop(drop: Any, name: str = "drop") -> float:
     message = f"{name} must be a float in (0, 1) (a ratio of learning rates), got {drop!r}"
     if isinstance(drop, bool) or not isinstance(drop, numbers.Real):
         raise TypeError(message)
-    if not (math.isfinite(drop) and 0 < drop < 1):
+    number = float(drop)
+    if not (math.isfinite(number) and 0 < number < 1):
         raise ValueError(message)
-    return float(drop)
+    return number
 
 
 def check_lr(name: str, lr: Any) -> float:

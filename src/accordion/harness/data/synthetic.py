@@ -14,7 +14,7 @@ from .base import TAG_SYNTHETIC, ClassificationData, generator
 def synthetic_default_model(shape: object) -> str:
     """The model of ``synthetic`` samples of ``shape``; ValueError unless (3, H, W) or (L,)."""
     if not isinstance(shape, Sequence) or not all(
-        not isinstance(size, bool) and isinstance(size, numbers.Integral) and size > 0
+        not isinstance(size, bool) and isinstance(size, numbers.Integral) and int(size) > 0
         for size in shape
     ):
         raise ValueError(f"synthetic_shape must be a tuple of positive ints, got {shape!r}")

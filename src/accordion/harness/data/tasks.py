@@ -206,11 +206,23 @@ def load_task(
         return _load_charlm(data_dir, train_samples, test_samples, bptt)
     train_samples, test_samples = _sample_counts(name, train_samples, test_samples)
     seed = check_int("seed", seed, 0)
+    if name in ("mnist1d", "synthetic"):
+        counts = (train_samples, test_samples)
+        return _generated(name, data_dir, counts, seed, synthetic_shape, synthetic_classes)
+    return _load_files(name, data_dir, train_samples, test_samples)
+
+
+def _generated(
+    name: str, data_dir: str | os.PathLike | None, counts: tuple[int | None, int | None],
+    seed: int, synthetic_shape: tuple[int, ...], synthetic_classes: int,
+) -> ClassificationData:  # fmt: skip
+    """``mnist1d``'s or ``synthetic``'s data; both have default counts (``_DEFAULT_SAMPLES``),
+    which :func:`_sample_counts` put in place of a None."""
+    train_samples, test_samples = counts
+    assert train_samples is not None and test_samples is not None
     if name == "mnist1d":
         return load_mnist1d(train_samples, test_samples, data_dir)
-    if name == "synthetic":
-        return make_synthetic(train_samples, test_samples, seed, synthetic_shape, synthetic_classes)
-    return _load_files(name, data_dir, train_samples, test_samples)
+    return make_synthetic(train_samples, test_samples, seed, synthetic_shape, synthetic_classes)
 
 
 def _load_charlm(

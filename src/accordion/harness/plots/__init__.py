@@ -77,12 +77,14 @@ def plot_all(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     ]
     families: dict[str, str] = {}
     for strategy in by_strategy(runs):
-        if is_accordion(strategy):
-            families.setdefault(parsed(strategy).compressor, strategy)
+        ladder = parsed(strategy)
+        if ladder is not None and is_accordion(strategy):
+            families.setdefault(ladder.compressor, strategy)
     for strategy in reversed(list(by_strategy(runs))):
         # the default rule's run where there is one: the ladder a newcomer is told to use
-        if is_accordion(strategy) and parsed(strategy).rule in (None, "guarded"):
-            families[parsed(strategy).compressor] = strategy
+        ladder = parsed(strategy)
+        if ladder is not None and is_accordion(strategy) and ladder.rule in (None, "guarded"):
+            families[ladder.compressor] = strategy
     if len(families) == 1:
         (strategy,) = families.values()
         written.append(plot_levels(results, out / "levels.png", strategy))

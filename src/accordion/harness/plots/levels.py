@@ -136,10 +136,10 @@ def _codes(grid: Sequence[Sequence[Any]], categories: Sequence[Category]) -> np.
 def _grid(run: Mapping[str, Any], strategy: str) -> tuple[list[str], int, int, list[list[Any]]]:
     """(layers, first epoch, last epoch, layers x epochs of recorded levels) of a run."""
     records = [r for r in run["epochs"] if isinstance(r, Mapping)]
-    epoch_levels = {
-        epoch_of(r, i): (r.get("levels") if isinstance(r.get("levels"), Mapping) else {})
-        for i, r in enumerate(records)
-    }
+    epoch_levels: dict[int, Mapping[str, Any]] = {}
+    for i, r in enumerate(records):
+        levels = r.get("levels")
+        epoch_levels[epoch_of(r, i)] = levels if isinstance(levels, Mapping) else {}
     layers = layer_order(list(epoch_levels.values()))
     if not layers:
         raise ValueError(f"the {strategy} run (seed {seed_of(run)}) records no per-layer levels")
@@ -224,6 +224,7 @@ def plot_levels(results: Mapping[str, Any], path: str | Path, strategy: str | No
     """
     strategy, run = select_accordion(results, strategy)
     ladder = parsed(strategy)
+    assert ladder is not None  # select_accordion picks an Accordion strategy the harness knows
     cls = compressor_class(ladder.compressor)
     layers, first, last, grid = _grid(run, strategy)
     categories = _categories(cls, ladder.levels, grid)
