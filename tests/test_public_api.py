@@ -35,6 +35,7 @@ DOCUMENTED = [
     "make_compressor",
     "make_plan",
     "scaling_plan",
+    "summarize",
 ]
 
 #: Prefixes of modules that ``import accordion`` must leave unimported.
