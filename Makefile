@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test check docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,24 @@ demo: $(STAMP)
 		--baseline static:powersgd:4 static:topk:0.99 --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests examples checks
 	$(PY) -m pytest -q
 
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[harness,dev,integrations,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)  # the site, strict: a broken link or a docstring warning fails it
+	PY=$(PY) bash scripts/build_docs.sh
+
+# The release checks, apart from `make test` to keep it under 10 minutes: the type check,
+# every example under its launcher, the site in headless Chromium (Debian's `chromium`),
+# and the wheel installed in a fresh venv outside the source tree.
+check: docs
+	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider checks
+	PYTHON=$(PYTHON) bash scripts/check_wheel.sh
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache site
