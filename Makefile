@@ -34,8 +34,9 @@ docs: $(DOCS_STAMP)  # the site, strict: a broken link or a docstring warning fa
 	PY=$(PY) bash scripts/build_docs.sh
 
 # The release checks, apart from `make test` to keep it under 10 minutes: the type check,
-# every example under its launcher, the site in headless Chromium (Debian's `chromium`),
-# and the wheel installed in a fresh venv outside the source tree.
+# checks/ (every example under its launcher, a loop killed under torchrun, the benchmark
+# scripts end to end, the site in headless Chromium: Debian's `chromium`), and the wheel
+# installed in a fresh venv outside the source tree.
 check: docs
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider checks
