@@ -224,9 +224,11 @@ def _leftovers(prefix: str) -> tuple[list[str], list[str]]:
 
 
 def test_a_4_mb_all_reduce_runs_at_the_link_rate_within_20_percent(cluster) -> None:
-    probe = cluster.measure_bandwidth(mbytes=4, repeats=3, timeout=60)
-    assert probe["world_size"] == 2 and probe["bytes"] == 4_000_000
-    assert probe["bus_bandwidth_bytes_per_s"] == pytest.approx(5e6, rel=0.2)
+    probes = [cluster.measure_bandwidth(mbytes=4, repeats=3, timeout=60) for _ in range(2)]
+    assert all(p["world_size"] == 2 and p["bytes"] == 4_000_000 for p in probes)
+    # a busy CPU only slows a transfer down: the faster probe is the link's rate
+    fastest = max(p["bus_bandwidth_bytes_per_s"] for p in probes)
+    assert fastest == pytest.approx(5e6, rel=0.2)
 
 
 def test_set_link_changes_the_measured_rate(cluster) -> None:
