@@ -201,10 +201,13 @@ def test_a_sync_restores_the_inner_loops_gradients():
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), before))
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
-def test_a_bad_sync_every_is_a_value_error_naming_it(value):
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                     ("2", TypeError)],
+)  # fmt: skip
+def test_a_bad_sync_every_is_refused_naming_it(value, error):
     net = _net()
-    with pytest.raises(ValueError, match=f"sync_every must be an int >= 1, got {value!r}"):
+    with pytest.raises(error, match=f"sync_every must be an int >= 1, got {value!r}"):
         DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), value)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._validate import check_state_keys
+from ._validate import check_int, check_state_keys
 from .controller import Controller
 
 #: DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr and momentum).
@@ -71,10 +71,8 @@ class DiLoCo:
                  | None = None):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
         self.inner = inner_optimizer
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         #: H, the inner steps per round.
-        self.sync_every = sync_every
+        self.sync_every = check_int("sync_every", sync_every, 1)
         #: The Accordion state that averages the pseudo-gradients.
         self.state = _checked_state(state, model)
         build = default_outer_optimizer if outer_optimizer is None else outer_optimizer
