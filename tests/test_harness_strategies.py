@@ -20,6 +20,7 @@ from accordion.compress import Compressor, compressor_names
 from accordion.compress import base as compress_base
 from accordion.compress.wire import Message
 from accordion.harness import attach, baselines, compare
+from accordion.harness.build import make_outer_optimizer
 from accordion.harness.strategies import FORMATS, parse_strategy, strategy_compressors
 from accordion.harness.train import PRESETS, TrainConfig
 
@@ -368,6 +369,30 @@ def test_diloco_h_plus_a_compression_strategy_compresses_the_sync():
         "accordion", "int", (8, 4), 2, 10
     )  # fmt: skip
     assert not s.uses_accordion_hook
+
+
+def test_diloco_outer_lr_and_momentum_options_set_the_outer_nesterov_sgd():
+    s = parse_strategy("diloco:10:lr=1.2:momentum=0.5+static:int:4")
+    assert (s.sync_every, s.outer_lr, s.outer_momentum, s.levels) == (10, 1.2, 0.5, (4,))
+    outer = make_outer_optimizer(s)([torch.nn.Parameter(torch.zeros(2))])
+    group = outer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (1.2, 0.5, True)
+
+
+def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_plain_sgd():
+    default = make_outer_optimizer(parse_strategy("diloco:5"))([torch.nn.Parameter(torch.zeros(1))])
+    assert (default.param_groups[0]["lr"], default.param_groups[0]["momentum"]) == (0.7, 0.9)
+    plain = make_outer_optimizer(parse_strategy("diloco:5:momentum=0:lr=1"))(
+        [torch.nn.Parameter(torch.zeros(1))]
+    )  # fmt: skip
+    assert (plain.param_groups[0]["momentum"], plain.param_groups[0]["nesterov"]) == (0, False)
+
+
+@pytest.mark.parametrize("option", ["lr=0", "lr=-1", "lr=inf", "lr=x", "momentum=1",
+                                    "momentum=-0.1", "lr", "beta=0.9", "lr=1:lr=2"])
+def test_a_bad_diloco_outer_option_is_a_value_error_naming_the_allowed_ones(option):
+    with pytest.raises(ValueError, match=re.escape("takes the options lr=X (the outer")):
+        parse_strategy(f"diloco:5:{option}")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..batch import BatchSizeController
-from ..diloco import DiLoCo
+from ..diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
 from ..models import get_model
 from ..policy import PaperRule
 from .attach import attach_strategy
@@ -52,10 +52,22 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
     if strategy.sync_every is not None:
-        diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state)
+        diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state,
+                        outer_optimizer=make_outer_optimizer(strategy))
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
                compute_s if config.measure_compute else None, diloco)  # fmt: skip
+
+
+def make_outer_optimizer(strategy: Strategy):
+    """The outer Nesterov SGD of a DiLoCo strategy, at its ``lr=``/``momentum=`` options."""
+    lr = OUTER_LR if strategy.outer_lr is None else strategy.outer_lr
+    momentum = OUTER_MOMENTUM if strategy.outer_momentum is None else strategy.outer_momentum
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    return build
 
 
 def _device(local_rank: int) -> torch.device:

@@ -43,11 +43,14 @@ Rare syncs (:class:`accordion.DiLoCo`): ``diloco:H`` takes H inner steps on each
 without communication, then averages the pseudo-gradient dense for an outer Nesterov
 step; ``diloco:H+<static or accordion strategy>`` compresses that average, e.g.
 ``diloco:25+static:int:4`` (each round is one step of the state: ``every=N`` counts rounds).
+``lr=X`` and ``momentum=M`` after H set the outer Nesterov SGD's learning rate and
+momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+static:int:4``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +71,8 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
-    "diloco:H",
-    "diloco:H+<static or accordion strategy>",
+    "diloco:H[:lr=X][:momentum=M]",
+    "diloco:H[:lr=X][:momentum=M]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
 #: The compressor of PyTorch's own hook, the ``torch-powersgd:R`` baseline.
@@ -109,6 +112,8 @@ class Strategy:
     block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
     tau: float | None = None  # the audit rule's error budget (None: its default)
     sync_every: int | None = None  # DiLoCo's H, inner steps per sync (None: every step, DDP)
+    outer_lr: float | None = None  # DiLoCo's outer learning rate (None: its default, 0.7)
+    outer_momentum: float | None = None  # its Nesterov momentum (None: the default, 0.9)
 
     @property
     def mild(self) -> Any:
@@ -207,16 +212,37 @@ def parse_strategy(text: str) -> Strategy:
 
 
 def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
-    """``diloco:H`` and ``diloco:H+<dense, static or accordion strategy>``."""
-    h = first.partition(":")[2]
+    """``diloco:H[:lr=X][:momentum=M]`` and ``diloco:H...+<dense, static or accordion
+    strategy>``."""
+    _, h, *options = first.split(":")
     if not (h.isdigit() and int(h) >= 1):
         raise ValueError(f"strategy {whole!r}: diloco:H takes H, the inner steps per sync, "
                          f"an int >= 1; got {h!r}")  # fmt: skip
+    outer = _outer_options(options, whole)
     comm = _parse_communication(rest, whole)
     if comm.family not in ("dense", "static", "accordion") or comm.auto:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
                          "accordion strategy (without :auto)")  # fmt: skip
-    return dataclasses.replace(comm, text=whole, sync_every=int(h))
+    return dataclasses.replace(comm, text=whole, sync_every=int(h), **outer)
+
+
+def _outer_options(options: list[str], whole: str) -> dict[str, float]:
+    """``lr=X`` (> 0) and ``momentum=M`` (in [0, 1)) of DiLoCo's outer Nesterov SGD."""
+    found: dict[str, float] = {}
+    for option in options:
+        key, eq, text = option.partition("=")
+        name = {"lr": "outer_lr", "momentum": "outer_momentum"}.get(key)
+        try:
+            value = float(text) if eq and name else float("nan")
+        except ValueError:
+            value = float("nan")
+        ok = math.isfinite(value) and (value > 0 if key == "lr" else 0 <= value < 1)
+        if name is None or name in found or not ok:
+            raise ValueError(f"strategy {whole!r}: diloco:H takes the options lr=X (the outer "
+                             f"learning rate, > 0) and momentum=M (in [0, 1)), each once; "
+                             f"got {option!r}")  # fmt: skip
+        found[name] = value
+    return found
 
 
 def _malformed(whole: str) -> ValueError:
