@@ -13,14 +13,15 @@ level, as the hook sends it.
 count, where its cost description has such a point (``Compressor.break_even``: top-k's
 all-gathers put more bytes on the wire than a dense ring all-reduce above a density of
 ``1/W`` for fp32 values and int32 indices). :func:`scaling_plan` repeats the plan over
-worker counts and link rates.
+worker counts and link rates. :func:`diloco_plan` turns a plan's rows into DiLoCo's,
+per inner step of a run that syncs every H of them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ._validate import check_int
@@ -38,8 +39,8 @@ class PlanRow:
     label: str
     compressor: str
     level: Any
-    floats_per_step: int
-    floats_total: int
+    floats_per_step: float  # an int but in DiLoCo's rows (one sync's floats / H)
+    floats_total: float
     bytes_per_step: float
     compression_ratio: float
     comm_time_per_step_s: float
@@ -113,6 +114,26 @@ def make_plan(
         label = cls.label(level)
         rows.append(row(label, compressor, level, dense_floats))
     return rows
+
+
+def diloco_plan(rows: Sequence[PlanRow], sync_every: int) -> list[PlanRow]:
+    """``rows`` (a :func:`make_plan`, dense first) for DiLoCo syncing every ``sync_every``
+    (H) inner steps: each row's floats, bytes and seconds per inner step are one sync's
+    divided by H, its total over the run's inner steps likewise, and its ratio is against
+    dense *every step* (data-parallel training), so H multiplies it. Labels read
+    ``DiLoCo H=10, rank 4``."""
+    h = check_int("sync_every", sync_every, 1)
+    if not rows or rows[0].compressor != "dense":
+        raise ValueError("rows must be a plan with dense first, as make_plan returns")
+    dense = rows[0].floats_per_step
+    return [
+        replace(row, label=f"DiLoCo H={h}, {row.label}", floats_per_step=row.floats_per_step / h,
+                floats_total=row.floats_total / h, bytes_per_step=row.bytes_per_step / h,
+                compression_ratio=dense * h / row.floats_per_step if row.floats_per_step
+                else math.inf,
+                comm_time_per_step_s=row.comm_time_per_step_s / h)
+        for row in rows
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from .._validate import check_choice
 from ..compress import compressing_names, compressor_class
 from ..costmodel import parse_bandwidth, parse_latency
 from ..models.shapes import default_num_classes, named_shapes, plan_model_names, takes_classes
-from ..plan import layer_plan, make_plan, scaling_plan
+from ..plan import diloco_plan, layer_plan, make_plan, scaling_plan
 from .break_even import _break_even, _break_even_line, _shows_break_even
 from .plan_text import _print_plan, _print_scaling
 
@@ -59,6 +59,9 @@ With a list of --workers or of --bandwidth values, workers and bandwidth_bytes_p
 lists, and "grid" replaces "levels" and "topk_break_even": one entry per worker count
 and link rate, worker counts outermost, each with workers, bandwidth_bytes_per_s, levels
 and (for top-k) topk_break_even as above.
+With --sync-every H, also "sync_every": H and "diloco_levels": dense and each level for
+DiLoCo syncing every H inner steps, the keys of "levels" per inner step (one sync's
+figures / H; compression_ratio against dense every step).
 """
 
 
@@ -146,6 +149,10 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], list[int], list[f
     workers = _plan_list(parser, "--workers", args.workers, _worker_count, _WORKERS_HELP)
     bandwidths = _plan_list(parser, "--bandwidth", args.bandwidth, parse_bandwidth,
                             _BANDWIDTHS_HELP)  # fmt: skip
+    if args.sync_every is not None and (args.sync_every < 1 or len(workers) * len(bandwidths) > 1):
+        parser.error(f"argument --sync-every: must be an int >= 1, with one --workers and one "
+                     f"--bandwidth value; got {args.sync_every} with --workers {args.workers!r} "
+                     f"and --bandwidth {args.bandwidth!r}")  # fmt: skip
     if args.layers and len(workers) * len(bandwidths) > 1:
         parser.error(
             "argument --layers: needs one --workers and one --bandwidth value, got "
@@ -212,13 +219,18 @@ def _plan_command(args: argparse.Namespace) -> int:
     layer_rows = []
     if args.layers:
         layer_rows = layer_plan(named, args.compressor, levels, workers[0], bandwidths[0])
+    diloco = [] if args.sync_every is None else diloco_plan(rows, args.sync_every)
     if args.json:
-        extra = {"topk_break_even": _break_even(shapes, workers[0], rows)} if topk else {}
+        extra: dict[str, Any] = {}
+        if topk:
+            extra["topk_break_even"] = _break_even(shapes, workers[0], rows)
         layers = {"layers": [r.as_dict() for r in layer_rows]} if args.layers else {}
+        if diloco:
+            extra.update(sync_every=args.sync_every, diloco_levels=[r.as_dict() for r in diloco])
         levels_out = [row.as_dict() for row in rows]
         print(json.dumps({**summary, "levels": levels_out, **extra, **layers}))
     else:
-        _print_plan(args, summary, rows, layer_rows)
+        _print_plan(args, summary, [*rows, *diloco], layer_rows)
         if topk:
             print(_break_even_line(_break_even(shapes, workers[0], rows), rows))
     return 0
@@ -270,6 +282,14 @@ def _add_plan(sub: Any) -> None:
         "grid (default %(default)s)",
     )
     add("--latency", default="50us", help="per-message latency (default %(default)s)")
+    add(
+        "--sync-every",
+        type=int,
+        default=None,
+        metavar="H",
+        help="also DiLoCo's rows, syncing every H inner steps: figures per inner step "
+        "(--steps counts inner steps)",
+    )
     add("--json", action="store_true", help="print one JSON object (keys below)")
     add("--layers", action="store_true", help="also per tensor: bytes and transfer time per step")
     plan.set_defaults(handler=_plan_command, parser=plan)

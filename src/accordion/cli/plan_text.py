@@ -43,7 +43,7 @@ def _print_plan(args: argparse.Namespace, summary: dict[str, Any], rows, layer_r
     table = [
         (
             row.label,
-            f"{row.floats_per_step:,}",
+            f"{row.floats_per_step:,.0f}",
             _human(row.floats_total),
             _bytes(row.bytes_per_step),
             f"{row.compression_ratio:.1f}x",

@@ -223,7 +223,8 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
     if comm.family not in ("dense", "static", "accordion") or comm.auto:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
                          "accordion strategy (without :auto)")  # fmt: skip
-    return dataclasses.replace(comm, text=whole, sync_every=int(h), **outer)
+    return dataclasses.replace(comm, text=whole, sync_every=int(h), outer_lr=outer.get("outer_lr"),
+                               outer_momentum=outer.get("outer_momentum"))  # fmt: skip
 
 
 def _outer_options(options: list[str], whole: str) -> dict[str, float]:
