@@ -257,3 +257,27 @@ def test_a_state_dict_of_another_model_is_refused_and_changes_nothing():
     after = diloco.state_dict()
     assert after["inner_steps"] == before["inner_steps"]
     assert all(torch.equal(a, b) for a, b in zip(after["anchor"], before["anchor"]))
+
+
+def test_a_state_dict_with_a_bad_outer_optimiser_leaves_the_accordion_state_unchanged():
+    net, twin = _net(), _net()
+    diloco = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2)
+    source = DiLoCo(twin, torch.optim.SGD(twin.parameters(), lr=0.1), 2)
+    saved = source.state_dict()
+    saved["state"]["step"] = 7  # an Accordion state that a load would bring in
+    saved["outer"]["param_groups"] = saved["outer"]["param_groups"] * 2  # of other groups
+    with pytest.raises(ValueError):
+        diloco.load_state_dict(saved)
+    assert diloco.state.state_dict()["step"] == 0
+
+
+def test_a_state_dict_with_a_bad_accordion_state_leaves_the_outer_optimiser_unchanged():
+    net, twin = _net(), _net()
+    diloco = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2)
+    source = DiLoCo(twin, torch.optim.SGD(twin.parameters(), lr=0.1), 2)
+    for p in source.params:  # an outer momentum that a load would bring in
+        source.outer.state[p]["momentum_buffer"] = torch.ones_like(p)
+    saved = {**source.state_dict(), "state": {"not": "a controller state"}}
+    with pytest.raises(ValueError):
+        diloco.load_state_dict(saved)
+    assert diloco.outer.state_dict()["state"] == {}

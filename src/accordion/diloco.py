@@ -26,6 +26,7 @@ Example, one worker of ``torchrun --nproc-per-node 2``::
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -140,8 +141,9 @@ class DiLoCo:
                 "outer": self.outer.state_dict(), "state": self.state.state_dict()}  # fmt: skip
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a missing key or an anchor of other shapes is a
-        ``ValueError``, raised before anything changes."""
+        """Restore a :meth:`state_dict`; a missing key, an anchor of other shapes, an outer
+        optimiser state of other param groups or a bad Accordion state is a
+        ``ValueError``, and leaves everything as it was."""
         check_state_keys(saved, _STATE_KEYS, "DiLoCo")
         anchor = saved["anchor"]
         shapes = [tuple(a.shape) for a in self._anchor]
@@ -152,8 +154,13 @@ class DiLoCo:
             value = saved[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self.state.load_state_dict(saved["state"])
-        self.outer.load_state_dict(saved["outer"])
+        before = copy.deepcopy(self.outer.state_dict())
+        self.outer.load_state_dict(saved["outer"])  # raises on other param groups
+        try:
+            self.state.load_state_dict(saved["state"])  # validates before it changes
+        except Exception:
+            self.outer.load_state_dict(before)  # nothing changes on a bad state
+            raise
         for mine, theirs in zip(self._anchor, anchor):
             mine.copy_(theirs)
         self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
