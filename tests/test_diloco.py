@@ -281,3 +281,116 @@ def test_a_state_dict_with_a_bad_accordion_state_leaves_the_outer_optimiser_unch
     with pytest.raises(ValueError):
         diloco.load_state_dict(saved)
     assert diloco.outer.state_dict()["state"] == {}
+
+
+# --- a data-parallel warm-up before the rounds -----------------------------------------
+
+
+def _warmup_then_rounds(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    diloco = DiLoCo(net, inner, 2, warmup_steps=3)
+    record = []
+    for step in range(7):
+        _inner_step(net, inner, rank, step)
+        synced = diloco.step()
+        a, b = _gathered(_flat(net))
+        record.append((synced, torch.equal(a, b), diloco.sent()[1], diloco.rounds))
+    if rank == 0:
+        torch.save(record, out)
+
+
+@pytest.fixture(scope="module")
+def warmup(tmp_path_factory) -> list[tuple[bool, bool, float, int]]:
+    """Per inner step of 3 warm-up steps then H = 2 on 2 ranks: (synced, ranks equal,
+    bytes sent so far, rounds)."""
+    out = tmp_path_factory.mktemp("warmup") / "record.pt"
+    run_processes(_warmup_then_rounds, 2, str(out))
+    return torch.load(out)
+
+
+def test_warmup_steps_keep_the_ranks_bitwise_equal_then_rounds_of_h_follow(warmup):
+    assert [r[1] for r in warmup] == [True, True, True, False, True, False, True]
+    assert [r[0] for r in warmup] == [False, False, False, False, True, False, True]
+    assert [r[3] for r in warmup] == [0, 0, 0, 0, 1, 1, 2]
+
+
+def test_each_warmup_step_sends_a_dense_average_and_the_rounds_add_theirs(warmup):
+    sent = [r[2] for r in warmup]
+    step = sent[0]
+    assert step > 0 and sent[1] == pytest.approx(2 * step) and sent[2] == pytest.approx(3 * step)
+    assert sent[3] == sent[2] < sent[4] == sent[5] < sent[6]
+
+
+def _warmup_sgd(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = DiLoCo(net, inner, 10, warmup_steps=4)
+    for step in range(4):
+        _inner_step(net, inner, rank, step)
+        assert not diloco.step()
+    if rank == 0:
+        torch.save(_flat(net), out)
+
+
+def test_warmup_steps_with_plain_sgd_are_data_parallel_sgd(tmp_path):
+    out = tmp_path / "warmup-sgd.pt"
+    run_processes(_warmup_sgd, 2, str(out))
+    torch.testing.assert_close(torch.load(out), _reference_sgd(2, 4, 0.1), rtol=1e-5, atol=1e-6)
+
+
+def _resume_in_warmup(rank: int, world: int, out: str) -> None:
+    def build():
+        net = _net()
+        inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        warm = Controller(net, "int", levels=(8, 8), interval_unit="step")
+        return net, inner, DiLoCo(net, inner, 2, warmup_steps=3, warmup_state=warm)
+
+    net, inner, diloco = build()
+    saved = None
+    for step in range(7):
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+        if step == 1:  # inside the warm-up
+            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
+    net2, inner2, diloco2 = build()
+    net2.load_state_dict(saved[0])
+    inner2.load_state_dict(saved[1])
+    diloco2.load_state_dict(saved[2])
+    for step in range(2, 7):
+        _inner_step(net2, inner2, rank, step)
+        diloco2.step()
+    if rank == 0:
+        torch.save((_flat(net), _flat(net2), diloco.sent(), diloco2.sent()), out)
+
+
+def test_a_run_resumed_inside_its_warmup_ends_bitwise_equal_to_a_straight_run(tmp_path):
+    out = tmp_path / "resume-warmup.pt"
+    run_processes(_resume_in_warmup, 2, str(out))
+    straight, resumed, sent, sent2 = torch.load(out)
+    assert torch.equal(straight, resumed)
+    assert sent == sent2
+
+
+def test_a_warmup_state_without_warmup_steps_or_shared_with_the_rounds_is_refused():
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = Controller(net, "dense", interval_unit="step")
+    with pytest.raises(ValueError, match="warmup_state needs warmup_steps >= 1"):
+        DiLoCo(net, inner, 2, warmup_state=state)
+    with pytest.raises(ValueError, match="warmup_state must be another state than state"):
+        DiLoCo(net, inner, 2, state=state, warmup_steps=2, warmup_state=state)
+    with pytest.raises(TypeError, match="warmup_state must be an accordion Controller"):
+        DiLoCo(net, inner, 2, warmup_steps=2, warmup_state="dense")
+    with pytest.raises(ValueError, match="warmup_steps must be"):
+        DiLoCo(net, inner, 2, warmup_steps=-1)
+
+
+def test_a_state_dict_with_or_without_a_warmup_must_match_the_diloco_loading_it():
+    net, twin = _net(), _net()
+    plain = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2)
+    warm = DiLoCo(twin, torch.optim.SGD(twin.parameters(), lr=0.1), 2, warmup_steps=2)
+    with pytest.raises(ValueError, match="warmup_state must be None for a DiLoCo with"):
+        plain.load_state_dict(warm.state_dict())
+    with pytest.raises(ValueError, match="warmup_state must be a state dict"):
+        warm.load_state_dict(plain.state_dict())

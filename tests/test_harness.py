@@ -33,6 +33,7 @@ ALL_FAMILIES = [
     "accordion:powersgd:4,2,1",
     "diloco:2",
     "diloco:2+static:int:4",
+    "diloco:2:warmup=4",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -71,6 +72,13 @@ def test_diloco_every_2_steps_sends_half_of_dense_and_int4_less_again(compared):
     sent = {r["strategy"]: r["epochs"][-1]["bytes"] for r in results["runs"]}
     assert sent["diloco:2"] == pytest.approx(sent["dense"] / 2, rel=1e-9)
     assert 0 < sent["diloco:2+static:int:4"] < sent["diloco:2"] / 4
+
+
+def test_a_diloco_warmup_sends_one_dense_average_per_step_then_one_per_round(compared):
+    _, results = compared
+    sent = {r["strategy"]: r["epochs"][-1]["bytes"] for r in results["runs"]}
+    # 12 steps: 4 data-parallel ones, then 4 rounds of 2 steps
+    assert sent["diloco:2:warmup=4"] == pytest.approx(sent["dense"] * 8 / 12, rel=1e-9)
 
 
 def test_an_auto_strategy_records_the_cost_models_measurements(compared):

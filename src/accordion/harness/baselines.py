@@ -56,6 +56,8 @@ class Traffic:
         self.steps = 0
         self.floats = 0
         self.bytes = 0.0
+        #: A DiLoCo run's rounds, whose :meth:`~accordion.DiLoCo.sent` counts for it.
+        self.diloco: Any = None
 
     def step(self) -> None:
         """Count one optimizer step's communication (the Accordion state counts its own)."""
@@ -93,6 +95,8 @@ class Traffic:
 
     def totals(self) -> tuple[int, float]:
         """Floats (paper convention) and wire bytes sent per worker so far."""
+        if self.diloco is not None:
+            return self.diloco.sent()
         if self.state is not None:
             stats = self.state.ledger
             return stats.total_floats, stats.total_bytes

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..batch import BatchSizeController
+from ..controller import Controller
 from ..diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
 from ..models import get_model
 from ..policy import PaperRule
@@ -53,7 +54,10 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     diloco = None
     if strategy.sync_every is not None:
         diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state,
-                        outer_optimizer=make_outer_optimizer(strategy))
+                        outer_optimizer=make_outer_optimizer(strategy),
+                        warmup_steps=strategy.warmup_steps,
+                        warmup_state=_warmup_state(strategy, model, config.seed))
+        traffic.diloco = diloco  # the rounds' and the warm-up's bytes
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
                compute_s if config.measure_compute else None, diloco)  # fmt: skip
@@ -68,6 +72,15 @@ def make_outer_optimizer(strategy: Strategy):
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     return build
+
+
+def _warmup_state(strategy: Strategy, model: nn.Module, seed: int) -> Controller | None:
+    """The state averaging a DiLoCo warm-up's gradients: the int quantiser at
+    ``warmup-bits`` (``None``, DiLoCo's dense default, without)."""
+    if not strategy.warmup_steps or strategy.warmup_bits is None:
+        return None
+    bits = strategy.warmup_bits
+    return Controller(model, "int", levels=(bits, bits), interval_unit="step", seed=seed)
 
 
 def _device(local_rank: int) -> torch.device:

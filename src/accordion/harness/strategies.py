@@ -44,7 +44,9 @@ without communication, then averages the pseudo-gradient dense for an outer Nest
 step; ``diloco:H+<static or accordion strategy>`` compresses that average, e.g.
 ``diloco:25+static:int:4`` (each round is one step of the state: ``every=N`` counts rounds).
 ``lr=X`` and ``momentum=M`` after H set the outer Nesterov SGD's learning rate and
-momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+static:int:4``.
+momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+static:int:4``;
+``warmup=N`` trains the first N steps data-parallel (gradients averaged every step, dense,
+or by the int quantiser at ``warmup-bits=B``) before the first round.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
-    "diloco:H[:lr=X][:momentum=M]",
-    "diloco:H[:lr=X][:momentum=M]+<static or accordion strategy>",
+    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-bits=B]",
+    "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
 #: The compressor of PyTorch's own hook, the ``torch-powersgd:R`` baseline.
@@ -114,6 +116,8 @@ class Strategy:
     sync_every: int | None = None  # DiLoCo's H, inner steps per sync (None: every step, DDP)
     outer_lr: float | None = None  # DiLoCo's outer learning rate (None: its default, 0.7)
     outer_momentum: float | None = None  # its Nesterov momentum (None: the default, 0.9)
+    warmup_steps: int = 0  # DiLoCo's data-parallel steps before the first round
+    warmup_bits: int | None = None  # their int quantiser's bits (None: dense)
 
     @property
     def mild(self) -> Any:
@@ -218,31 +222,47 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
     if not (h.isdigit() and int(h) >= 1):
         raise ValueError(f"strategy {whole!r}: diloco:H takes H, the inner steps per sync, "
                          f"an int >= 1; got {h!r}")  # fmt: skip
-    outer = _outer_options(options, whole)
+    found = _diloco_options(options, whole)
     comm = _parse_communication(rest, whole)
     if comm.family not in ("dense", "static", "accordion") or comm.auto:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
                          "accordion strategy (without :auto)")  # fmt: skip
-    return dataclasses.replace(comm, text=whole, sync_every=int(h), outer_lr=outer.get("outer_lr"),
-                               outer_momentum=outer.get("outer_momentum"))  # fmt: skip
+    return dataclasses.replace(comm, text=whole, sync_every=int(h), **found)
 
 
-def _outer_options(options: list[str], whole: str) -> dict[str, float]:
-    """``lr=X`` (> 0) and ``momentum=M`` (in [0, 1)) of DiLoCo's outer Nesterov SGD."""
-    found: dict[str, float] = {}
+#: DiLoCo's options after H: name -> (Strategy field, parse, what is allowed).
+_DILOCO_OPTIONS = {
+    "lr": ("outer_lr", float, "the outer learning rate, > 0"),
+    "momentum": ("outer_momentum", float, "its Nesterov momentum, in [0, 1)"),
+    "warmup": ("warmup_steps", int, "data-parallel steps before the rounds, an int >= 0"),
+    "warmup-bits": ("warmup_bits", int, "the int quantiser's bits in the warm-up: 8, 4 or 2"),
+}
+
+
+def _diloco_value(key: str, text: str) -> float | int | None:
+    """The value of ``key=text``, or ``None`` if it is not one that key allows."""
+    try:
+        value = _DILOCO_OPTIONS[key][1](text)
+    except ValueError:
+        return None
+    ok = {"lr": lambda v: math.isfinite(v) and v > 0, "momentum": lambda v: 0 <= v < 1,
+          "warmup": lambda v: v >= 0, "warmup-bits": lambda v: v in (8, 4, 2)}[key]  # fmt: skip
+    return value if ok(value) else None
+
+
+def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
+    """The ``key=value`` options of ``diloco:H`` (:data:`_DILOCO_OPTIONS`), each once."""
+    found: dict[str, Any] = {}
     for option in options:
         key, eq, text = option.partition("=")
-        name = {"lr": "outer_lr", "momentum": "outer_momentum"}.get(key)
-        try:
-            value = float(text) if eq and name else float("nan")
-        except ValueError:
-            value = float("nan")
-        ok = math.isfinite(value) and (value > 0 if key == "lr" else 0 <= value < 1)
-        if name is None or name in found or not ok:
-            raise ValueError(f"strategy {whole!r}: diloco:H takes the options lr=X (the outer "
-                             f"learning rate, > 0) and momentum=M (in [0, 1)), each once; "
-                             f"got {option!r}")  # fmt: skip
-        found[name] = value
+        value = _diloco_value(key, text) if eq and key in _DILOCO_OPTIONS else None
+        if value is None or _DILOCO_OPTIONS[key][0] in found:
+            allowed = "; ".join(f"{k}=... ({v[2]})" for k, v in _DILOCO_OPTIONS.items())
+            raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}, "
+                             f"each once; got {option!r}")  # fmt: skip
+        found[_DILOCO_OPTIONS[key][0]] = value
+    if "warmup_bits" in found and not found.get("warmup_steps"):
+        raise ValueError(f"strategy {whole!r}: warmup-bits needs warmup=N with N >= 1")
     return found
 
 
