@@ -34,6 +34,7 @@ ALL_FAMILIES = [
     "diloco:2",
     "diloco:2+static:int:4",
     "diloco:2:warmup=4",
+    "diloco:2:warmup=4:warmup-with=int/4",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -79,6 +80,9 @@ def test_a_diloco_warmup_sends_one_dense_average_per_step_then_one_per_round(com
     sent = {r["strategy"]: r["epochs"][-1]["bytes"] for r in results["runs"]}
     # 12 steps: 4 data-parallel ones, then 4 rounds of 2 steps
     assert sent["diloco:2:warmup=4"] == pytest.approx(sent["dense"] * 8 / 12, rel=1e-9)
+    # an int4 warm-up: its 4 steps send less than a quarter of dense's each
+    compressed = sent["diloco:2:warmup=4:warmup-with=int/4"]
+    assert compressed < sent["diloco:2:warmup=4"] - sent["dense"] * 4 / 12 * 3 / 4
 
 
 def test_an_auto_strategy_records_the_cost_models_measurements(compared):

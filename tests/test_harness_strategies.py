@@ -390,25 +390,25 @@ def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_p
 
 @pytest.mark.parametrize("option", ["lr=0", "lr=-1", "lr=inf", "lr=x", "momentum=1",
                                     "momentum=-0.1", "lr", "beta=0.9", "lr=1:lr=2",
-                                    "warmup=-1", "warmup=2.5", "warmup=4:warmup-bits=3"])
+                                    "warmup=-1", "warmup=2.5", "warmup=4:warmup-with=int/3",
+                                    "warmup=4:warmup-with=int4"])
 def test_a_bad_diloco_option_is_a_value_error_naming_the_allowed_ones(option):
     with pytest.raises(ValueError, match=re.escape("takes the options lr=... (the outer")):
         parse_strategy(f"diloco:5:{option}")
 
 
 def test_diloco_warmup_options_set_the_data_parallel_steps_and_their_bits():
-    s = parse_strategy("diloco:10:lr=0.35:warmup=90:warmup-bits=4+static:int:2")
-    assert (s.sync_every, s.outer_lr, s.warmup_steps, s.warmup_bits, s.levels) == (
-        10, 0.35, 90, 4, (2,)
+    s = parse_strategy("diloco:10:lr=0.35:warmup=90:warmup-with=powersgd/4+static:int:2")
+    assert (s.sync_every, s.outer_lr, s.warmup_steps, s.warmup_with, s.levels) == (
+        10, 0.35, 90, "powersgd/4", (2,)
     )  # fmt: skip
-    assert (parse_strategy("diloco:10").warmup_steps, parse_strategy("diloco:10").warmup_bits) == (
-        0, None
-    )  # fmt: skip
+    plain = parse_strategy("diloco:10")
+    assert (plain.warmup_steps, plain.warmup_with) == (0, None)
 
 
-def test_diloco_warmup_bits_without_a_warmup_is_a_value_error():
-    with pytest.raises(ValueError, match="warmup-bits needs warmup=N with N >= 1"):
-        parse_strategy("diloco:10:warmup-bits=4")
+def test_diloco_warmup_with_without_a_warmup_is_a_value_error():
+    with pytest.raises(ValueError, match="warmup-with needs warmup=N with N >= 1"):
+        parse_strategy("diloco:10:warmup-with=int/4")
 
 
 @pytest.mark.parametrize(

@@ -75,12 +75,12 @@ def make_outer_optimizer(strategy: Strategy):
 
 
 def _warmup_state(strategy: Strategy, model: nn.Module, seed: int) -> Controller | None:
-    """The state averaging a DiLoCo warm-up's gradients: the int quantiser at
-    ``warmup-bits`` (``None``, DiLoCo's dense default, without)."""
-    if not strategy.warmup_steps or strategy.warmup_bits is None:
+    """The state averaging a DiLoCo warm-up's gradients: its ``warmup-with`` rung, one
+    level of the mixed compressor (``None``, DiLoCo's dense default, without)."""
+    if not strategy.warmup_steps or strategy.warmup_with is None:
         return None
-    bits = strategy.warmup_bits
-    return Controller(model, "int", levels=(bits, bits), interval_unit="step", seed=seed)
+    rung = strategy.warmup_with
+    return Controller(model, "mixed", levels=(rung, rung), interval_unit="step", seed=seed)
 
 
 def _device(local_rank: int) -> torch.device:

@@ -46,7 +46,8 @@ step; ``diloco:H+<static or accordion strategy>`` compresses that average, e.g.
 ``lr=X`` and ``momentum=M`` after H set the outer Nesterov SGD's learning rate and
 momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+static:int:4``;
 ``warmup=N`` trains the first N steps data-parallel (gradients averaged every step, dense,
-or by the int quantiser at ``warmup-bits=B``) before the first round.
+or compressed by ``warmup-with=NAME/LEVEL``, e.g. ``int/4`` or ``powersgd/4``) before the
+first round.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compress import Compressor, compressing_names, compressor_class
+from ..compress.mixed import Mixed
 from ..policy import RULES, Ladder
 from ..policy.audit import check_tau
 
@@ -73,7 +75,7 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
-    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-bits=B]",
+    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -117,7 +119,7 @@ class Strategy:
     outer_lr: float | None = None  # DiLoCo's outer learning rate (None: its default, 0.7)
     outer_momentum: float | None = None  # its Nesterov momentum (None: the default, 0.9)
     warmup_steps: int = 0  # DiLoCo's data-parallel steps before the first round
-    warmup_bits: int | None = None  # their int quantiser's bits (None: dense)
+    warmup_with: str | None = None  # their compressor, a mixed rung "int/4" (None: dense)
 
     @property
     def mild(self) -> Any:
@@ -235,18 +237,21 @@ _DILOCO_OPTIONS = {
     "lr": ("outer_lr", float, "the outer learning rate, > 0"),
     "momentum": ("outer_momentum", float, "its Nesterov momentum, in [0, 1)"),
     "warmup": ("warmup_steps", int, "data-parallel steps before the rounds, an int >= 0"),
-    "warmup-bits": ("warmup_bits", int, "the int quantiser's bits in the warm-up: 8, 4 or 2"),
+    "warmup-with": ("warmup_with", str, "the warm-up's compressor and level, NAME/LEVEL "
+                    "as a mixed ladder's rung reads it: int/4, powersgd/4, half/bf16"),
 }
 
 
-def _diloco_value(key: str, text: str) -> float | int | None:
+def _diloco_value(key: str, text: str) -> float | int | str | None:
     """The value of ``key=text``, or ``None`` if it is not one that key allows."""
     try:
+        if key == "warmup-with":  # canonical NAME/LEVEL, or dense
+            return Mixed.parse_level(text)
         value = _DILOCO_OPTIONS[key][1](text)
-    except ValueError:
+    except (TypeError, ValueError):
         return None
     ok = {"lr": lambda v: math.isfinite(v) and v > 0, "momentum": lambda v: 0 <= v < 1,
-          "warmup": lambda v: v >= 0, "warmup-bits": lambda v: v in (8, 4, 2)}[key]  # fmt: skip
+          "warmup": lambda v: v >= 0}[key]  # fmt: skip
     return value if ok(value) else None
 
 
@@ -261,8 +266,8 @@ def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
             raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}, "
                              f"each once; got {option!r}")  # fmt: skip
         found[_DILOCO_OPTIONS[key][0]] = value
-    if "warmup_bits" in found and not found.get("warmup_steps"):
-        raise ValueError(f"strategy {whole!r}: warmup-bits needs warmup=N with N >= 1")
+    if "warmup_with" in found and not found.get("warmup_steps"):
+        raise ValueError(f"strategy {whole!r}: warmup-with needs warmup=N with N >= 1")
     return found
 
 
