@@ -67,7 +67,7 @@ class DiLoCo:
             the replicas stay equal, and the rounds of H steps follow. Training's first
             steps are its most critical regime (Accordion's finding, and post-local SGD's,
             Lin et al. 2020): on ``charlm-tiny`` DiLoCo lost 2.5% of validation loss
-            without them and none with 90 (``docs/diloco.md``). A loop that clips
+            without them and none with 90 (2 seeds, ``docs/diloco.md``). A loop that clips
             gradients clips each worker's own before they are averaged.
         warmup_state: the Accordion state that averages those gradients, bound to
             ``model`` and counting steps (any compressor or ladder). Default (with
@@ -218,7 +218,6 @@ class DiLoCo:
         for mine, theirs in zip(self._anchor, anchor):
             mine.copy_(theirs)
         self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
-
 
     def _load_states(self, saved: Mapping[str, Any]) -> None:
         """The outer optimiser and the Accordion states of ``saved``, all or none: a

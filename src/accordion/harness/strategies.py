@@ -218,8 +218,8 @@ def parse_strategy(text: str) -> Strategy:
 
 
 def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
-    """``diloco:H[:lr=X][:momentum=M]`` and ``diloco:H...+<dense, static or accordion
-    strategy>``."""
+    """``diloco:H[:OPTIONS]`` and ``diloco:H[:OPTIONS]+<dense, static or accordion
+    strategy>``, the options those of :data:`_DILOCO_OPTIONS`."""
     _, h, *options = first.split(":")
     if not (h.isdigit() and int(h) >= 1):
         raise ValueError(f"strategy {whole!r}: diloco:H takes H, the inner steps per sync, "
