@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from accordion import Controller, DiLoCo
+from accordion.compress.transport import LocalTransport
 from accordion.diloco import OUTER_LR, OUTER_MOMENTUM
+from accordion.diloco_warmup import WarmupEnd
 from distributed import run_processes
 
 
@@ -394,3 +396,117 @@ def test_a_state_dict_with_or_without_a_warmup_must_match_the_diloco_loading_it(
         plain.load_state_dict(warm.state_dict())
     with pytest.raises(ValueError, match="warmup_state must be a state dict"):
         warm.load_state_dict(plain.state_dict())
+
+
+# --- the norm test that ends a warm-up sooner ------------------------------------------
+
+
+def _grads_of_norm(params: list[nn.Parameter], norm: float) -> None:
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    params[0].grad.view(-1)[0] = norm
+
+
+def test_the_warmup_test_is_calm_once_a_windows_summed_norm_changes_by_less_than_eta():
+    params = [nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(4))]
+    test = WarmupEnd(params, eta=0.5, window=2)
+    calm = []
+    for step, norm in enumerate([10.0, 10.0, 2.0, 2.0, 1.5, 1.5], start=1):
+        _grads_of_norm(params, norm)
+        test.add(params)
+        calm.append(test.calm_after(step, LocalTransport()))
+    # windows: 20 (no window before: critical), 4 (ratio 0.8: critical), 3 (0.25: calm)
+    assert calm == [False, False, False, False, False, True]
+    assert [(c["step"], c["norm"]) for c in test.checks] == [(2, 20.0), (4, 4.0), (6, 3.0)]
+    assert [c["ratio"] for c in test.checks] == [None, pytest.approx(0.8), pytest.approx(0.25)]
+
+
+def _warmup_ended_by_the_test(rank: int, world: int, out: str, eta: float) -> None:
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    diloco = DiLoCo(net, inner, 2, warmup_steps=8, warmup_eta=eta, warmup_window=2)
+    record = []
+    for step in range(10):
+        _inner_step(net, inner, rank, step)
+        synced = diloco.step()
+        a, b = _gathered(_flat(net))
+        record.append((synced, torch.equal(a, b)))
+    if rank == 0:
+        torch.save((record, diloco.warmup_end, diloco.stats()["warmup_steps_done"]), out)
+
+
+def test_a_calm_second_window_ends_the_warmup_there_on_every_rank(tmp_path):
+    out = tmp_path / "ended.pt"
+    run_processes(_warmup_ended_by_the_test, 2, str(out), 1e6)  # any change is calm
+    record, end, done = torch.load(out)
+    assert (end, done) == (4, 4)
+    assert [r[1] for r in record] == [True] * 4 + [False, True] * 3
+    assert [r[0] for r in record] == [False] * 4 + [False, True] * 3
+
+
+def test_a_warmup_the_test_never_finds_calm_lasts_warmup_steps(tmp_path):
+    out = tmp_path / "never.pt"
+    run_processes(_warmup_ended_by_the_test, 2, str(out), 1e-12)
+    record, end, done = torch.load(out)
+    assert (end, done) == (None, 8)
+    assert [r[0] for r in record] == [False] * 9 + [True]
+
+
+def _resume_mid_window(rank: int, world: int, out: str) -> None:
+    def build():
+        net = _net()
+        inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        return net, inner, DiLoCo(net, inner, 2, warmup_steps=6, warmup_eta=1e6,
+                                  warmup_window=2)  # fmt: skip
+
+    net, inner, diloco = build()
+    saved = None
+    for step in range(8):
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+        if step == 2:  # one step into the second window
+            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
+    net2, inner2, diloco2 = build()
+    net2.load_state_dict(saved[0])
+    inner2.load_state_dict(saved[1])
+    diloco2.load_state_dict(saved[2])
+    for step in range(3, 8):
+        _inner_step(net2, inner2, rank, step)
+        diloco2.step()
+    if rank == 0:
+        torch.save((_flat(net), _flat(net2), diloco.warmup_end, diloco2.warmup_end), out)
+
+
+def test_a_run_resumed_inside_a_tested_window_ends_bitwise_equal_to_a_straight_run(tmp_path):
+    out = tmp_path / "resume-window.pt"
+    run_processes(_resume_mid_window, 2, str(out))
+    straight, resumed, end, end2 = torch.load(out)
+    assert torch.equal(straight, resumed)
+    assert end == end2 == 4
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"warmup_eta": 0.5}, ValueError, "warmup_eta needs warmup_steps >= 1"),
+    ({"warmup_steps": 4, "warmup_eta": 0.0}, ValueError, "warmup_eta must be > 0"),
+    ({"warmup_steps": 4, "warmup_eta": "0.5"}, TypeError, "warmup_eta must be a number"),
+    ({"warmup_steps": 4, "warmup_eta": 0.5, "warmup_window": 0}, ValueError,
+     "warmup_window must be an int >= 1"),
+])  # fmt: skip
+def test_a_bad_warmup_test_argument_is_refused_naming_it(kwargs, error, match):
+    net = _net()
+    with pytest.raises(error, match=match):
+        DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, **kwargs)
+
+
+def test_a_state_dict_with_or_without_a_warmup_test_must_match_the_diloco_loading_it():
+    net, twin = _net(), _net()
+    fixed = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, warmup_steps=4)
+    tested = DiLoCo(twin, torch.optim.SGD(twin.parameters(), lr=0.1), 2, warmup_steps=4,
+                    warmup_eta=0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="warmup_test must be None"):
+        fixed.load_state_dict(tested.state_dict())
+    with pytest.raises(ValueError, match="warmup_test must be a state dict"):
+        tested.load_state_dict(fixed.state_dict())
+    with pytest.raises(ValueError, match=r"warmup_end must be None or an int in \[1, 4\]"):
+        tested.load_state_dict({**tested.state_dict(), "warmup_end": 5})
+    assert tested.warmup_end is None and tested.warmup_test.checks == []

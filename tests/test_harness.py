@@ -85,6 +85,19 @@ def test_a_diloco_warmup_sends_one_dense_average_per_step_then_one_per_round(com
     assert compressed < sent["diloco:2:warmup=4"] - sent["dense"] * 4 / 12 * 3 / 4
 
 
+def test_a_diloco_warmup_ended_by_its_norm_test_sends_less_and_records_where(tmp_path):
+    config = TrainConfig(**{**TINY, "interval_unit": "step", "interval": 2})
+    fixed, tested = "diloco:2:warmup=8", "diloco:2:warmup=8:warmup-eta=1e6"  # always calm
+    results = run_compare(config, [fixed, tested], seeds=1, workers=2, out=tmp_path)
+    runs = {r["strategy"]: r for r in results["runs"]}
+    # 12 steps: 8 data-parallel then 2 rounds, or 4 (calm at the second window) then 4
+    assert runs[fixed]["diloco"]["warmup_steps_done"] == 8
+    assert runs[tested]["diloco"]["warmup_steps_done"] == 4
+    assert [c["step"] for c in runs[tested]["diloco"]["warmup_checks"]] == [2, 4]
+    sent = {name: run["epochs"][-1]["bytes"] for name, run in runs.items()}
+    assert sent[tested] == pytest.approx(sent[fixed] * 8 / 10, rel=1e-9)
+
+
 def test_an_auto_strategy_records_the_cost_models_measurements(compared):
     _, results = compared
     runs = {r["strategy"]: r for r in results["runs"]}

@@ -391,7 +391,8 @@ def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_p
 @pytest.mark.parametrize("option", ["lr=0", "lr=-1", "lr=inf", "lr=x", "momentum=1",
                                     "momentum=-0.1", "lr", "beta=0.9", "lr=1:lr=2",
                                     "warmup=-1", "warmup=2.5", "warmup=4:warmup-with=int/3",
-                                    "warmup=4:warmup-with=int4"])
+                                    "warmup=4:warmup-with=int4", "warmup=4:warmup-eta=0",
+                                    "warmup=4:warmup-eta=nan", "warmup=4:warmup-eta=x"])
 def test_a_bad_diloco_option_is_a_value_error_naming_the_allowed_ones(option):
     with pytest.raises(ValueError, match=re.escape("takes the options lr=... (the outer")):
         parse_strategy(f"diloco:5:{option}")
@@ -409,6 +410,17 @@ def test_diloco_warmup_options_set_the_data_parallel_steps_and_their_bits():
 def test_diloco_warmup_with_without_a_warmup_is_a_value_error():
     with pytest.raises(ValueError, match="warmup-with needs warmup=N with N >= 1"):
         parse_strategy("diloco:10:warmup-with=int/4")
+
+
+def test_diloco_warmup_eta_sets_the_norm_test_that_may_end_the_warmup_sooner():
+    s = parse_strategy("diloco:10:warmup=180:warmup-eta=0.5:warmup-with=int/4+static:int:2")
+    assert (s.warmup_steps, s.warmup_eta, s.warmup_with) == (180, 0.5, "int/4")
+    assert parse_strategy("diloco:10:warmup=90").warmup_eta is None
+
+
+def test_diloco_warmup_eta_without_a_warmup_is_a_value_error():
+    with pytest.raises(ValueError, match="warmup-eta needs warmup=N with N >= 1"):
+        parse_strategy("diloco:10:warmup-eta=0.5")
 
 
 @pytest.mark.parametrize(

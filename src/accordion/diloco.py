@@ -35,10 +35,12 @@ from torch import nn
 
 from ._validate import check_int, check_state_keys
 from .controller import Controller
+from .diloco_warmup import WarmupEnd
 
 #: DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr and momentum).
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
-_STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state"})
+_STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state",
+                         "warmup_end", "warmup_test"})  # fmt: skip
 
 
 def default_outer_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -72,6 +74,13 @@ class DiLoCo:
         warmup_state: the Accordion state that averages those gradients, bound to
             ``model`` and counting steps (any compressor or ladder). Default (with
             ``warmup_steps > 0``): a dense one.
+        warmup_eta: ``None`` (default): the warm-up is ``warmup_steps`` long. A float > 0:
+            the rule ends it, at the first window of ``warmup_window`` steps whose averaged
+            gradients' summed norm changed by less than ``warmup_eta`` (relative) from the
+            window before's (the paper's norm test on the whole model,
+            :class:`~accordion.diloco_warmup.WarmupEnd`); ``warmup_steps`` is then its
+            longest. The paper's 0.5 is the usual value.
+        warmup_window: inner steps per window of that test (an int >= 1, default 25).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
     step is collective, and so is each warm-up step.
@@ -81,7 +90,8 @@ class DiLoCo:
                  *, state: Controller | None = None,
                  outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                  | None = None, warmup_steps: int = 0,
-                 warmup_state: Controller | None = None):  # fmt: skip
+                 warmup_state: Controller | None = None, warmup_eta: float | None = None,
+                 warmup_window: int = 25):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
         self.inner = inner_optimizer
         #: H, the inner steps per round.
@@ -95,6 +105,14 @@ class DiLoCo:
                              if self.warmup_steps else None)  # fmt: skip
         if warmup_state is not None and not self.warmup_steps:
             raise ValueError("warmup_state needs warmup_steps >= 1, got warmup_steps=0")
+        if warmup_eta is not None and not self.warmup_steps:
+            raise ValueError("warmup_eta needs warmup_steps >= 1 (the longest warm-up), got "
+                             "warmup_steps=0")  # fmt: skip
+        #: The norm test that may end the warm-up early (``None``: a fixed warm-up).
+        self.warmup_test = (None if warmup_eta is None
+                            else WarmupEnd(self.params, warmup_eta, warmup_window))  # fmt: skip
+        #: The inner step at which the test ended the warm-up (``None``: it has not).
+        self.warmup_end: int | None = None
         if warmup_state is not None and warmup_state is self.state:
             raise ValueError("warmup_state must be another state than state: gradients and "
                              "pseudo-gradients need their own error feedback")  # fmt: skip
@@ -113,13 +131,21 @@ class DiLoCo:
             inner_optimizer.register_step_pre_hook(self._average_in_warmup)
 
     @property
+    def warmup_length(self) -> int:
+        """The warm-up's inner steps: :attr:`warmup_end` once the test ended it, else
+        ``warmup_steps``."""
+        return self.warmup_steps if self.warmup_end is None else self.warmup_end
+
+    @property
     def in_warmup(self) -> bool:
         """Whether the next inner step is a data-parallel warm-up step."""
-        return self.inner_steps < self.warmup_steps
+        return self.inner_steps < self.warmup_length
 
     def _average_in_warmup(self, *_: Any) -> None:
         if self.warmup_state is not None and self.in_warmup:
             self.warmup_state.reduce_gradients(self.params)  # collective
+            if self.warmup_test is not None:
+                self.warmup_test.add(self.params)
 
     def step(self) -> bool:
         """Count one inner step; at the end of a round, sync (collective). Returns
@@ -130,9 +156,12 @@ class DiLoCo:
             with torch.no_grad():  # the replicas are equal: the next round starts here
                 for p, anchor in zip(self.params, self._anchor):
                     anchor.copy_(p)
+            test, transport = self.warmup_test, self.warmup_state.transport()
+            if test is not None and test.calm_after(self.inner_steps, transport):
+                self.warmup_end = self.inner_steps  # collective: the same step on every rank
             return False
         self.inner_steps += 1
-        if (self.inner_steps - self.warmup_steps) % self.sync_every:
+        if (self.inner_steps - self.warmup_length) % self.sync_every:
             return False
         self.sync()
         return True
@@ -179,12 +208,15 @@ class DiLoCo:
     def stats(self) -> dict[str, Any]:
         """The state's ledger (:meth:`Controller.stats`; its ``dense_*`` figures are one
         dense sync per round) with ``rounds``, ``inner_steps``, the warm-up state's
-        (``warmup``, ``None`` without one) and :meth:`sent`'s totals (``sent_floats``,
-        ``sent_bytes``)."""
+        (``warmup``, ``None`` without one), the warm-up's steps so far
+        (``warmup_steps_done``), the norm test's windows (``warmup_checks``, ``[]``
+        without one) and :meth:`sent`'s totals (``sent_floats``, ``sent_bytes``)."""
         floats, nbytes = self.sent()
         warmup = None if self.warmup_state is None else self.warmup_state.stats()
+        checks = [] if self.warmup_test is None else [dict(c) for c in self.warmup_test.checks]
         return {**self.state.stats(), "rounds": self.rounds, "inner_steps": self.inner_steps,
-                "warmup": warmup, "sent_floats": floats, "sent_bytes": nbytes}  # fmt: skip
+                "warmup": warmup, "warmup_steps_done": min(self.inner_steps, self.warmup_length),
+                "warmup_checks": checks, "sent_floats": floats, "sent_bytes": nbytes}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, anchor, outer optimiser and Accordion states (the inner optimiser and
@@ -193,7 +225,9 @@ class DiLoCo:
                 "anchor": [a.clone() for a in self._anchor],
                 "outer": self.outer.state_dict(), "state": self.state.state_dict(),
                 "warmup_state": None if self.warmup_state is None
-                else self.warmup_state.state_dict()}  # fmt: skip
+                else self.warmup_state.state_dict(), "warmup_end": self.warmup_end,
+                "warmup_test": None if self.warmup_test is None
+                else self.warmup_test.state_dict()}  # fmt: skip
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a missing key, an anchor of other shapes, an outer
@@ -214,10 +248,25 @@ class DiLoCo:
             got = type(saved["warmup_state"]).__name__
             raise ValueError(f"warmup_state must be {wanted} for a DiLoCo with warmup_steps="
                              f"{self.warmup_steps}, got {got}")  # fmt: skip
+        self._check_warmup_end(saved)
         self._load_states(saved)
         for mine, theirs in zip(self._anchor, anchor):
             mine.copy_(theirs)
         self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
+        self.warmup_end = saved["warmup_end"]
+
+    def _check_warmup_end(self, saved: Mapping[str, Any]) -> None:
+        """``warmup_end`` and ``warmup_test`` of ``saved`` fit this DiLoCo's warm-up."""
+        if (saved["warmup_test"] is None) != (self.warmup_test is None):
+            wanted = "None" if self.warmup_test is None else "a state dict"
+            raise ValueError(f"warmup_test must be {wanted} for a DiLoCo with warmup_eta="
+                             f"{None if self.warmup_test is None else self.warmup_test.eta}, "
+                             f"got {type(saved['warmup_test']).__name__}")  # fmt: skip
+        end, top = saved["warmup_end"], self.warmup_steps if self.warmup_test else 0
+        if end is not None and (isinstance(end, bool) or not isinstance(end, int)
+                                or not 1 <= end <= top):  # fmt: skip
+            raise ValueError(f"warmup_end must be None or an int in [1, {top}] (an early end "
+                             f"needs warmup_eta), got {end!r}")  # fmt: skip
 
     def _load_states(self, saved: Mapping[str, Any]) -> None:
         """The outer optimiser and the Accordion states of ``saved``, all or none: a
@@ -225,6 +274,8 @@ class DiLoCo:
         parts: list[tuple[Any, Any]] = [(self.outer, saved["outer"]), (self.state, saved["state"])]
         if self.warmup_state is not None:
             parts.append((self.warmup_state, saved["warmup_state"]))
+        if self.warmup_test is not None:
+            parts.append((self.warmup_test, saved["warmup_test"]))
         before = [copy.deepcopy(part.state_dict()) for part, _ in parts]
         loaded = []
         try:

@@ -56,7 +56,8 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
         diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state,
                         outer_optimizer=make_outer_optimizer(strategy),
                         warmup_steps=strategy.warmup_steps,
-                        warmup_state=_warmup_state(strategy, model, config.seed))
+                        warmup_state=_warmup_state(strategy, model, config.seed),
+                        warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config))
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
@@ -81,6 +82,11 @@ def _warmup_state(strategy: Strategy, model: nn.Module, seed: int) -> Controller
         return None
     rung = strategy.warmup_with
     return Controller(model, "mixed", levels=(rung, rung), interval_unit="step", seed=seed)
+
+
+def _warmup_window(config: TrainConfig) -> int:
+    """The warm-up norm test's window: the run's check interval when it counts steps."""
+    return config.interval if config.interval_unit == "step" else 25
 
 
 def _device(local_rank: int) -> torch.device:

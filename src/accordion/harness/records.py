@@ -31,6 +31,8 @@ class RunResult:
     batch_checks: list[dict[str, Any]] = field(default_factory=list)
     #: The cost model's report (``AccordionState.calibrate``) for ``:auto`` strategies.
     calibration: dict[str, Any] | None = None
+    #: A DiLoCo run's rounds, warm-up steps and warm-up norm test (``None`` otherwise).
+    diloco: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (the ``runs`` entries of ``results.json``)."""

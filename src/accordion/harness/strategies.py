@@ -47,7 +47,8 @@ step; ``diloco:H+<static or accordion strategy>`` compresses that average, e.g.
 momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+static:int:4``;
 ``warmup=N`` trains the first N steps data-parallel (gradients averaged every step, dense,
 or compressed by ``warmup-with=NAME/LEVEL``, e.g. ``int/4`` or ``powersgd/4``) before the
-first round.
+first round; ``warmup-eta=X`` lets the paper's norm test end it sooner, at the first
+window (the run's ``interval`` steps) whose gradient norm changed by less than X.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
-    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL]",
+    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -120,6 +121,7 @@ class Strategy:
     outer_momentum: float | None = None  # its Nesterov momentum (None: the default, 0.9)
     warmup_steps: int = 0  # DiLoCo's data-parallel steps before the first round
     warmup_with: str | None = None  # their compressor, a mixed rung "int/4" (None: dense)
+    warmup_eta: float | None = None  # the norm test that may end it sooner (None: fixed)
 
     @property
     def mild(self) -> Any:
@@ -239,6 +241,8 @@ _DILOCO_OPTIONS = {
     "warmup": ("warmup_steps", int, "data-parallel steps before the rounds, an int >= 0"),
     "warmup-with": ("warmup_with", str, "the warm-up's compressor and level, NAME/LEVEL "
                     "as a mixed ladder's rung reads it: int/4, powersgd/4, half/bf16"),
+    "warmup-eta": ("warmup_eta", float, "the norm test's threshold that may end the warm-up "
+                   "sooner, > 0"),
 }
 
 
@@ -250,8 +254,9 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
         value = _DILOCO_OPTIONS[key][1](text)
     except (TypeError, ValueError):
         return None
-    ok = {"lr": lambda v: math.isfinite(v) and v > 0, "momentum": lambda v: 0 <= v < 1,
-          "warmup": lambda v: v >= 0}[key]  # fmt: skip
+    positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731 - one of the table's checks
+    ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
+          "warmup-eta": positive}[key]  # fmt: skip
     return value if ok(value) else None
 
 
@@ -266,8 +271,9 @@ def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
             raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}, "
                              f"each once; got {option!r}")  # fmt: skip
         found[_DILOCO_OPTIONS[key][0]] = value
-    if "warmup_with" in found and not found.get("warmup_steps"):
-        raise ValueError(f"strategy {whole!r}: warmup-with needs warmup=N with N >= 1")
+    for name, option in (("warmup_with", "warmup-with"), ("warmup_eta", "warmup-eta")):
+        if name in found and not found.get("warmup_steps"):
+            raise ValueError(f"strategy {whole!r}: {option} needs warmup=N with N >= 1")
     return found
 
 

@@ -85,6 +85,9 @@ def train_run(
     result.calibration = state.calibration if state is not None else None
     if run.controller is not None:
         result.batch_checks = run.controller.checks
+    if run.diloco is not None:
+        stats = run.diloco.stats()
+        result.diloco = {k: stats[k] for k in ("rounds", "warmup_steps_done", "warmup_checks")}
     run.logger.close(result.checks, result.calibration)
     return result
 

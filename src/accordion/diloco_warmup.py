@@ -1,0 +1,89 @@
+"""When a DiLoCo warm-up may end: the paper's norm test on the averaged gradient.
+
+Accordion's finding is that training's critical regime shows in how fast the gradient's
+norm changes: a layer is critical while the norm of its gradients summed over a window
+changes by ``eta`` or more (relative) from one window to the next. :class:`WarmupEnd`
+applies that test to the whole model's averaged warm-up gradient, window by window, and
+says when it first finds the model calm: DiLoCo then leaves data-parallel steps for its
+rounds. The test is on the average that every rank applies, and each window's norm is
+agreed with one ``max`` all-reduce of one float, so every rank ends on the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._validate import check_int, check_number, check_state_keys
+
+_STATE_KEYS = frozenset({"sums", "steps", "checks"})
+
+
+class WarmupEnd:
+    """The norm test over windows of ``window`` warm-up steps.
+
+    Args:
+        params: the parameters whose averaged gradients are summed.
+        eta: the threshold of the relative change of the window's norm (a float > 0; the
+            paper's 0.5 is the usual value).
+        window: warm-up steps per window (an int >= 1).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], eta: float, window: int):
+        self.eta = check_number("warmup_eta", eta, minimum=0.0, strict=True)
+        self.window = check_int("warmup_window", window, 1)
+        self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self._steps = 0  # steps summed in the current window
+        #: One record per finished window: its last ``step``, ``norm``, ``ratio`` to the
+        #: window before (``None`` for the first) and whether it was ``calm``.
+        self.checks: list[dict[str, Any]] = []
+
+    def add(self, params: Sequence[nn.Parameter]) -> None:
+        """Sum this step's averaged gradients into the window."""
+        for total, p in zip(self._sums, params):
+            if p.grad is not None:
+                total.add_(p.grad.detach().float())
+
+    def calm_after(self, step: int, transport: Any) -> bool:
+        """Count one step (``step``, the inner steps so far); at a window's end, test it
+        (collective: every rank must call this at every warm-up step). Returns whether
+        this window was calm: its norm changed by less than ``eta`` from the last one's."""
+        self._steps += 1
+        if self._steps < self.window:
+            return False
+        local = math.sqrt(sum(float(t.double().square().sum()) for t in self._sums))
+        norm = float(transport.all_reduce(torch.tensor([local], dtype=torch.float64), "max"))
+        for total in self._sums:
+            total.zero_()
+        self._steps = 0
+        old = self.checks[-1]["norm"] if self.checks else None
+        ratio = abs(old - norm) / old if old else None  # no old norm, or 0: critical
+        calm = ratio is not None and ratio < self.eta
+        self.checks.append({"step": step, "norm": norm, "ratio": ratio, "calm": calm})
+        return calm
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window's sums and step count, and the checks so far."""
+        return {"sums": [t.clone() for t in self._sums], "steps": self._steps,
+                "checks": [dict(c) for c in self.checks]}  # fmt: skip
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; sums of other shapes or a bad count is a
+        ``ValueError`` and changes nothing."""
+        check_state_keys(saved, _STATE_KEYS, "warmup_test")
+        sums, shapes = saved["sums"], [tuple(t.shape) for t in self._sums]
+        if not isinstance(sums, list | tuple) or [tuple(t.shape) for t in sums] != shapes:
+            raise ValueError("warmup_test sums must be tensors of the parameters' shapes")
+        steps = saved["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < self.window:
+            raise ValueError(f"warmup_test steps must be an int in [0, {self.window}), "
+                             f"got {steps!r}")  # fmt: skip
+        if not isinstance(saved["checks"], list):
+            raise ValueError(f"warmup_test checks must be a list, got {saved['checks']!r}")
+        for mine, theirs in zip(self._sums, sums):
+            mine.copy_(theirs)
+        self._steps, self.checks = steps, [dict(c) for c in saved["checks"]]
