@@ -414,11 +414,25 @@ def test_the_warmup_test_is_calm_once_a_windows_summed_norm_changes_by_less_than
     for step, norm in enumerate([10.0, 10.0, 2.0, 2.0, 1.5, 1.5], start=1):
         _grads_of_norm(params, norm)
         test.add(params)
-        calm.append(test.calm_after(step, LocalTransport()))
+        calm.append(test.calm_after(step, LocalTransport(), lr=1e-3))
     # windows: 20 (no window before: critical), 4 (ratio 0.8: critical), 3 (0.25: calm)
     assert calm == [False, False, False, False, False, True]
     assert [(c["step"], c["norm"]) for c in test.checks] == [(2, 20.0), (4, 4.0), (6, 3.0)]
     assert [c["ratio"] for c in test.checks] == [None, pytest.approx(0.8), pytest.approx(0.25)]
+
+
+def test_a_window_in_which_the_learning_rate_rose_is_never_calm():
+    params = [nn.Parameter(torch.zeros(4))]
+    test = WarmupEnd(params, eta=0.5, window=2)
+    calm = []
+    # the same norm in every window; the rate rises through the second and third windows
+    for step, lr in enumerate([1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0], start=1):
+        _grads_of_norm(params, 1.0)
+        test.add(params)
+        calm.append(test.calm_after(step, LocalTransport(), lr=lr))
+    assert [c["lr_rose"] for c in test.checks] == [False, True, True, False]
+    assert [c["ratio"] for c in test.checks] == [None, 0.0, 0.0, 0.0]
+    assert calm == [False] * 7 + [True]
 
 
 def _warmup_ended_by_the_test(rank: int, world: int, out: str, eta: float) -> None:

@@ -79,7 +79,8 @@ class DiLoCo:
             gradients' summed norm changed by less than ``warmup_eta`` (relative) from the
             window before's (the paper's norm test on the whole model,
             :class:`~accordion.diloco_warmup.WarmupEnd`); ``warmup_steps`` is then its
-            longest. The paper's 0.5 is the usual value.
+            longest. A window in which the inner learning rate rose (a learning-rate
+            warm-up) is never calm. The paper's 0.5 is the usual value.
         warmup_window: inner steps per window of that test (an int >= 1, default 25).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
@@ -157,7 +158,8 @@ class DiLoCo:
                 for p, anchor in zip(self.params, self._anchor):
                     anchor.copy_(p)
             test, transport = self.warmup_test, self.warmup_state.transport()
-            if test is not None and test.calm_after(self.inner_steps, transport):
+            lr = self.inner.param_groups[0]["lr"]  # the schedule's, the same on every rank
+            if test is not None and test.calm_after(self.inner_steps, transport, lr):
                 self.warmup_end = self.inner_steps  # collective: the same step on every rank
             return False
         self.inner_steps += 1

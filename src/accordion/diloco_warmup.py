@@ -5,8 +5,11 @@ norm changes: a layer is critical while the norm of its gradients summed over a 
 changes by ``eta`` or more (relative) from one window to the next. :class:`WarmupEnd`
 applies that test to the whole model's averaged warm-up gradient, window by window, and
 says when it first finds the model calm: DiLoCo then leaves data-parallel steps for its
-rounds. The test is on the average that every rank applies, and each window's norm is
-agreed with one ``max`` all-reduce of one float, so every rank ends on the same step.
+rounds. A window in which the learning rate rose (a learning-rate warm-up) is critical
+whatever its norms, as the paper holds a window with a decay critical: the schedule is
+still moving the model into its regime. The test is on the average that every rank
+applies, and each window's norm is agreed with one ``max`` all-reduce of one float, so
+every rank ends on the same step.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 
 from ._validate import check_int, check_number, check_state_keys
 
-_STATE_KEYS = frozenset({"sums", "steps", "checks"})
+_STATE_KEYS = frozenset({"sums", "steps", "checks", "first_lr"})
 
 
 class WarmupEnd:
@@ -38,8 +41,10 @@ class WarmupEnd:
         self.window = check_int("warmup_window", window, 1)
         self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self._steps = 0  # steps summed in the current window
+        self._first_lr: float | None = None  # the learning rate of the window's first step
         #: One record per finished window: its last ``step``, ``norm``, ``ratio`` to the
-        #: window before (``None`` for the first) and whether it was ``calm``.
+        #: window before (``None`` for the first), whether the learning rate rose in it
+        #: (``lr_rose``) and whether it was ``calm``.
         self.checks: list[dict[str, Any]] = []
 
     def add(self, params: Sequence[nn.Parameter]) -> None:
@@ -48,13 +53,17 @@ class WarmupEnd:
             if p.grad is not None:
                 total.add_(p.grad.detach().float())
 
-    def calm_after(self, step: int, transport: Any) -> bool:
-        """Count one step (``step``, the inner steps so far); at a window's end, test it
-        (collective: every rank must call this at every warm-up step). Returns whether
-        this window was calm: its norm changed by less than ``eta`` from the last one's."""
+    def calm_after(self, step: int, transport: Any, lr: float) -> bool:
+        """Count one step (``step``, the inner steps so far, taken at learning rate
+        ``lr``); at a window's end, test it (collective: every rank must call this at
+        every warm-up step). Returns whether this window was calm: its norm changed by
+        less than ``eta`` from the last one's, and the learning rate did not rise in it."""
         self._steps += 1
+        if self._first_lr is None:
+            self._first_lr = float(lr)
         if self._steps < self.window:
             return False
+        rose, self._first_lr = float(lr) > self._first_lr, None
         local = math.sqrt(sum(float(t.double().square().sum()) for t in self._sums))
         norm = float(transport.all_reduce(torch.tensor([local], dtype=torch.float64), "max"))
         for total in self._sums:
@@ -62,14 +71,15 @@ class WarmupEnd:
         self._steps = 0
         old = self.checks[-1]["norm"] if self.checks else None
         ratio = abs(old - norm) / old if old else None  # no old norm, or 0: critical
-        calm = ratio is not None and ratio < self.eta
-        self.checks.append({"step": step, "norm": norm, "ratio": ratio, "calm": calm})
+        calm = ratio is not None and ratio < self.eta and not rose
+        self.checks.append({"step": step, "norm": norm, "ratio": ratio, "lr_rose": rose,
+                            "calm": calm})  # fmt: skip
         return calm
 
     def state_dict(self) -> dict[str, Any]:
-        """The window's sums and step count, and the checks so far."""
+        """The window's sums, step count and first learning rate, and the checks so far."""
         return {"sums": [t.clone() for t in self._sums], "steps": self._steps,
-                "checks": [dict(c) for c in self.checks]}  # fmt: skip
+                "first_lr": self._first_lr, "checks": [dict(c) for c in self.checks]}  # fmt: skip
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; sums of other shapes or a bad count is a
@@ -84,6 +94,11 @@ class WarmupEnd:
                              f"got {steps!r}")  # fmt: skip
         if not isinstance(saved["checks"], list):
             raise ValueError(f"warmup_test checks must be a list, got {saved['checks']!r}")
+        first_lr = saved["first_lr"]
+        if (first_lr is None) != (steps == 0) or not isinstance(first_lr, float | None):
+            raise ValueError(f"warmup_test first_lr must be a float inside a window (steps "
+                             f"{steps}), None at its start, got {first_lr!r}")  # fmt: skip
         for mine, theirs in zip(self._sums, sums):
             mine.copy_(theirs)
         self._steps, self.checks = steps, [dict(c) for c in saved["checks"]]
+        self._first_lr = first_lr
