@@ -21,6 +21,13 @@ Example, one worker of ``torchrun --nproc-per-node 2``::
         loss_fn(net(x), y).backward()
         inner.step()
         diloco.step()          # every 50th call: the compressed outer step
+
+``model`` may also be a ``DistributedDataParallel`` replica (the hybrid setup): DDP
+averages the gradients inside the replica at every step, over its own process group, and
+DiLoCo averages the pseudo-gradients across the replicas, through a state over another
+group, one rank per replica (e.g. world 4: DDP over ``{0, 1}`` and ``{2, 3}``, DiLoCo over
+``{0, 2}`` and ``{1, 3}``). A state whose group shares a rank besides this one with DDP's
+is refused: DDP keeps those ranks equal already, and there would be nothing to sync.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._validate import check_int, check_state_keys
+from .compress.transport import TorchTransport, group_timeout
 from .controller import Controller
 from .diloco_warmup import WarmupEnd
 
@@ -41,6 +50,7 @@ from .diloco_warmup import WarmupEnd
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 _STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state",
                          "warmup_end", "warmup_test"})  # fmt: skip
+_DDP = nn.parallel.DistributedDataParallel
 
 
 def default_outer_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -53,14 +63,30 @@ class DiLoCo:
     on the averaged (compressed) pseudo-gradient.
 
     Args:
-        model: the replica this worker trains, a plain ``nn.Module`` (not DDP: its
-            per-step all-reduce over the same ranks would leave nothing to sync).
+        model: the replica this worker trains: a plain ``nn.Module``, or a
+            ``DistributedDataParallel`` one whose gradients DDP averages inside the
+            replica at every step (the hybrid setup). DiLoCo then works on
+            ``model.module``'s parameters, and ``state`` (and ``warmup_state``) must be
+            given, over a group that shares no rank but this one with DDP's
+            ``process_group``: one rank per replica, e.g. world 4 with DDP over
+            ``new_group([0, 1])`` and ``new_group([2, 3])`` and the states over
+            ``new_group([0, 2])`` and ``new_group([1, 3])`` (every rank creating every
+            group, in the same order). Anything else is a ``ValueError`` naming both
+            groups' ranks: DDP already keeps the shared ranks equal, nothing would be left
+            to sync (``state=None``, the default group, shares them). With a DDP
+            model the constructor is collective over the default group: it opens the
+            states' transports, every rank creating every cross group's private copy in
+            the same order. The replica's ranks must stay equal through DDP (no
+            ``no_sync()`` in the loop): a sync averages across replicas only, and does not
+            make them equal again.
         inner_optimizer: the worker's own optimiser over ``model``'s parameters; its
             state (e.g. AdamW's moments) stays local, as in DiLoCo.
         sync_every: H, the inner steps per round (an int >= 1).
         state: the Accordion state that averages the pseudo-gradients, bound to
-            ``model`` and counting steps (``interval_unit="step"``: one step per round).
-            Default: a dense one, ``Controller(model, "dense", interval_unit="step")``.
+            ``model`` (or ``model.module`` for a DDP model) and counting steps
+            (``interval_unit="step"``: one step per round). Default: a dense one,
+            ``Controller(model, "dense", interval_unit="step")``, over the default group
+            (refused for a DDP model: see ``model``).
         outer_optimizer: a callable building the outer optimiser from the parameters.
             Default: :func:`default_outer_optimizer`.
         warmup_steps: inner steps of data-parallel training before the first round (an
@@ -72,8 +98,10 @@ class DiLoCo:
             without them and none with 90 (2 seeds, ``docs/diloco.md``). A loop that clips
             gradients clips each worker's own before they are averaged.
         warmup_state: the Accordion state that averages those gradients, bound to
-            ``model`` and counting steps (any compressor or ladder). Default (with
-            ``warmup_steps > 0``): a dense one.
+            ``model`` and counting steps (any compressor or ladder); for a DDP model over a
+            group like ``state``'s, across the replicas. Default (with
+            ``warmup_steps > 0``): a dense one over the default group (refused for a DDP
+            model).
         warmup_eta: ``None`` (default): the warm-up is ``warmup_steps`` long. A float > 0:
             the rule ends it, at the first window of ``warmup_window`` steps whose averaged
             gradients' summed norm changed by less than ``warmup_eta`` (relative) from the
@@ -94,15 +122,17 @@ class DiLoCo:
                  warmup_state: Controller | None = None, warmup_eta: float | None = None,
                  warmup_window: int = 25):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
+        ddp = model if isinstance(model, _DDP) else None
+        module = model if ddp is None else ddp.module
         self.inner = inner_optimizer
         #: H, the inner steps per round.
         self.sync_every = check_int("sync_every", sync_every, 1)
         #: Data-parallel inner steps before the first round.
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         #: The Accordion state that averages the pseudo-gradients.
-        self.state = _checked_state(state, model)
+        self.state = _checked_state(state, module, "state", ddp)
         #: The one that averages the warm-up's gradients (``None`` without a warm-up).
-        self.warmup_state = (_checked_state(warmup_state, model, "warmup_state")
+        self.warmup_state = (_checked_state(warmup_state, module, "warmup_state", ddp)
                              if self.warmup_steps else None)  # fmt: skip
         if warmup_state is not None and not self.warmup_steps:
             raise ValueError("warmup_state needs warmup_steps >= 1, got warmup_steps=0")
@@ -124,6 +154,8 @@ class DiLoCo:
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, "
                             f"got {type(self.outer).__name__}")  # fmt: skip
+        if ddp is not None:  # every check passed: the collective part
+            _open_transports([self.state, self.warmup_state])
         # fp32: H small steps summed in bf16 would round away
         self._anchor = [p.detach().float().clone() for p in self.params]
         #: Inner steps taken so far, and outer steps (rounds).
@@ -291,9 +323,8 @@ class DiLoCo:
 
 
 def _checked_params(model: Any, optimizer: Any) -> list[nn.Parameter]:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError("model must be the plain module, not DistributedDataParallel: DiLoCo "
-                        "replaces its per-step all-reduce with a sync every sync_every steps")
+    if isinstance(model, _DDP):
+        model = model.module  # the wrapped module's names, without "module."
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -309,19 +340,72 @@ def _checked_params(model: Any, optimizer: Any) -> list[nn.Parameter]:
     return params
 
 
-def _checked_state(state: Any, model: nn.Module, name: str = "state") -> Controller:
+def _checked_state(state: Any, model: nn.Module, name: str = "state",
+                   ddp: _DDP | None = None) -> Controller:  # fmt: skip
+    """``state`` checked (or the default dense one built) for ``model``, the plain module
+    (``ddp.module`` when the caller's model is ``ddp``)."""
+    if state is not None:
+        if not isinstance(state, Controller):
+            raise TypeError(f"{name} must be an accordion Controller (or AccordionState) or "
+                            f"None, got {type(state).__name__}")  # fmt: skip
+        if state.interval_unit != "step":
+            raise ValueError(f"{name} must count steps (interval_unit='step'): each round or "
+                             f"step is one step of it; got {state.interval_unit!r}")  # fmt: skip
+        if state.params.module is not model:
+            bound = "model" if ddp is None else "model.module"
+            raise ValueError(f"{name} must be bound to {bound} (Controller({bound}, ...)), so "
+                             "that the gradients' keys are model's parameter names")  # fmt: skip
+    if ddp is not None:
+        _check_replica_groups(ddp, None if state is None else state.process_group, name)
     if state is None:
         return Controller(model, "dense", interval_unit="step")
-    if not isinstance(state, Controller):
-        raise TypeError(f"{name} must be an accordion Controller (or AccordionState) or None, "
-                        f"got {type(state).__name__}")  # fmt: skip
-    if state.interval_unit != "step":
-        raise ValueError(f"{name} must count steps (interval_unit='step'): each round or "
-                         f"step is one step of it; got {state.interval_unit!r}")  # fmt: skip
-    if state.params.module is not model:
-        raise ValueError(f"{name} must be bound to model (Controller(model, ...)), "
-                         "so that the gradients' keys are model's parameter names")
     return state
+
+
+def _ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (``None``: the default group's)."""
+    return list(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+
+
+def _check_replica_groups(ddp: _DDP, group: Any, name: str) -> None:
+    """``ValueError`` unless ``group`` (a state's; ``None`` the default one) and DDP's
+    share this rank alone: the ranks DDP averages at every step are equal already, and a
+    sync over them too would have nothing to average (or do the same work twice)."""
+    mine, replica, averaged = dist.get_rank(), _ranks(ddp.process_group), _ranks(group)
+    shared = sorted(set(replica) & set(averaged) - {mine})
+    if not shared:
+        return
+    origin = " (None: a dense Controller on the default group)" if group is None else ""
+    raise ValueError(
+        f"{name}{origin} averages over ranks {averaged}, and the DistributedDataParallel "
+        f"model's process group over ranks {replica}: DDP already keeps ranks {shared} equal "
+        f"to this one (rank {mine}) at every step, so the sync would have nothing to average "
+        f"between them. Give {name}= a Controller(model.module, ..., interval_unit='step', "
+        "process_group=cross) whose group holds one rank of each replica, e.g. for world 4 "
+        "DDP over dist.new_group([0, 1]) and dist.new_group([2, 3]), and DiLoCo over "
+        "dist.new_group([0, 2]) and dist.new_group([1, 3]), every rank creating every group "
+        "in the same order"
+    )
+
+
+def _open_transports(states: list[Controller | None]) -> None:
+    """Give each of ``states`` (over a cross-replica group; ``None`` skipped) that has
+    none yet a transport over a private copy of its group; collective over the default
+    group. ``dist.new_group`` needs every rank of the default group, creating the same
+    groups in the same order: a state left to create its own at first use would create
+    ``{0, 2}``'s copy on ranks 0 and 2 while ranks 1 and 3 create ``{1, 3}``'s, two groups
+    of one name that pair wrongly (the workers hang). So every rank tells the others its
+    states' groups, and every rank creates all of them, in one order."""
+    wanted = [(role, tuple(_ranks(state.process_group))) for role, state in enumerate(states)
+              if state is not None and state._transport is None]  # fmt: skip
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted)
+    for role, ranks in sorted({tuple(entry) for theirs in everyone for entry in theirs}):
+        state = states[role] if (role, ranks) in wanted else None
+        timeout = None if state is None else state.timeout or group_timeout(state.process_group)
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if state is not None:  # a member: what Controller(transport=...) would have held
+            state._transport = TorchTransport(group)
 
 
 __all__ = ["DiLoCo", "default_outer_optimizer", "OUTER_LR", "OUTER_MOMENTUM"]
