@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from accordion.accounting import wire_bytes
@@ -18,6 +19,7 @@ from accordion.compress import (
     Reducer,
     SimulatedTransport,
     SparseLoCo,
+    TorchTransport,
     compressor_class,
     compressor_names,
     make_compressor,
@@ -25,6 +27,7 @@ from accordion.compress import (
 from accordion.compress.quantize import dequantize, quantize
 from accordion.compress.sparseloco import CHUNK
 from accordion.compress.wire import allgather_bytes
+from distributed import run_processes
 
 WORKERS = 3
 
@@ -125,9 +128,9 @@ def test_each_chunk_keeps_its_largest_entries_floor_fraction_times_its_length():
     signs = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
     x = (torch.randperm(n, generator=gen) + 1).float() * signs  # distinct magnitudes
     exchange = SparseLoCo(0.01).exchange(["x"], [x.clone()], 1)
-    values, indices, scales = (op.tensor for op in next(exchange))
-    assert indices.dtype == torch.int16
-    assert (values.dtype, scales.dtype) == (torch.uint8, torch.float16)
+    values, index_bytes, scales = (op.tensor for op in next(exchange))
+    assert (values.dtype, index_bytes.dtype, scales.dtype) == (torch.uint8,) * 2 + (torch.float16,)
+    indices = index_bytes.view(torch.int16)  # int16 travels as its bytes (gloo has no int16)
     counts = (40, 40, 1)  # floor(0.01 * 4096), twice, and max(1, floor(0.01 * 100))
     assert indices.numel() == sum(counts)
     starts = torch.tensor([0] * 40 + [CHUNK] * 40 + [2 * CHUNK])
@@ -206,7 +209,7 @@ def test_one_exchange_is_one_phase_of_three_all_gathers():
     kept = (360, 3, 3)  # floor(0.1 * 3600), floor(0.5 * 7), floor(0.1 * 36)
     assert [op.tensor.numel() for op in phase] == [
         sum(math.ceil(k / 4) for k in kept),
-        sum(kept),
+        2 * sum(kept),  # int16 indices, as bytes
         sum(math.ceil(k / 64) for k in kept),
     ]
     with pytest.raises(StopIteration) as stop:
@@ -304,3 +307,32 @@ def test_the_controller_builds_with_sparseloco_levels_and_reduces_locally():
         assert torch.count_nonzero(p.grad) <= max(1, math.floor(0.1 * g.numel()))
         owed = state.reducer.memory.get(key)
         torch.testing.assert_close(p.grad + owed, g, rtol=0, atol=1e-6)
+
+
+# --- over real gloo processes ----------------------------------------------------------
+
+
+def _gloo_tensors(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)  # each rank its own, two chunks and a short one
+    return [torch.randn(2 * CHUNK + 100, generator=g), torch.randn(7, 5, generator=g)]
+
+
+def _exchange_over_gloo(rank: int, world: int, out: str) -> None:
+    results = TorchTransport().run(
+        SparseLoCo(0.05).exchange(["a", "b"], _gloo_tensors(rank), world)
+    )  # fmt: skip
+    gathered = [[torch.empty_like(avg) for _ in range(world)] for avg, _ in results]
+    for (avg, _), slot in zip(results, gathered):
+        dist.all_gather(slot, avg)
+    if rank == 0:
+        torch.save(gathered, out)
+
+
+def test_over_gloo_every_rank_gets_bitwise_the_simulated_workers_average(tmp_path):
+    out = tmp_path / "gloo.pt"
+    run_processes(_exchange_over_gloo, 2, str(out))
+    simulated, _ = exchange_once([SparseLoCo(0.05), SparseLoCo(0.05)],
+                                 [_gloo_tensors(0), _gloo_tensors(1)])  # fmt: skip
+    for tensor, per_rank in enumerate(torch.load(out)):
+        for average in per_rank:
+            assert torch.equal(average, simulated[0][tensor][0])

@@ -23,7 +23,8 @@ the tensors into one payload and the three all-gathered in one phase:
 * ``values``: ``uint8``, the tensor's ``K`` kept values quantised as one row (blocks of
   64 consecutive kept values) and packed four to a byte (:func:`~accordion.compress.
   quantize.pack`), ``ceil(K / 4)`` bytes;
-* ``indices``: ``int16``, each kept value's position inside its chunk, ``2 K`` bytes;
+* ``indices``: each kept value's position inside its chunk as an ``int16``, ``2 K`` bytes,
+  travelling as their ``uint8`` bytes (gloo all-gathers no ``int16``);
 * ``scales``: ``float16``, one per block of the kept values, ``2 ceil(K / 64)`` bytes.
 
 Kept values are in chunk order and, within a chunk, in ascending position, so that the
@@ -211,7 +212,7 @@ class SparseLoCo(Compressor):
 def _encode(
     m: torch.Tensor, fraction: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed values, int16 indices, fp16 scales, residual)`` of one tensor ``m``: the
+    """``(packed values, int16 indices as bytes, fp16 scales, residual)`` of one tensor ``m``: the
     residual is ``m`` itself (a copy where it is not contiguous) less what is sent."""
     flat = m.view(-1) if m.is_contiguous() else m.reshape(-1)
     local = select(flat, fraction)
@@ -220,7 +221,8 @@ def _encode(
     sent = dequantize(codes, scales, (codes.numel(),), _wide(m.dtype))
     flat[positions] -= sent.to(flat.dtype)  # the input is ours: it becomes the residual
     residual = m if m.is_contiguous() else flat.view(m.shape)
-    return pack(codes, BITS), local.to(INDEX_DTYPE), scales, residual
+    # int16 sent as its bytes: gloo's all-gather takes uint8 but not int16
+    return pack(codes, BITS), local.to(INDEX_DTYPE).view(torch.uint8), scales, residual
 
 
 def _decode(
@@ -229,7 +231,8 @@ def _decode(
 ) -> torch.Tensor:  # fmt: skip
     """The flat average over the workers of one tensor of ``numel`` entries from its rows
     of the gathered ``(values, indices, scales)``, in ``dtype``."""
-    packed, indices, scales = gathered
+    packed, index_bytes, scales = gathered
+    indices = index_bytes.contiguous().view(INDEX_DTYPE)  # [W, K]: the bytes sent, read back
     k = indices.shape[-1]
     values = dequantize(unpack(packed, BITS, k), scales, (k,), dtype)  # [W, k]
     positions = indices.long() + chunk_starts(numel, fraction, indices.device)
