@@ -148,6 +148,25 @@ def test_an_int4_sync_sends_less_than_a_dense_one_and_keeps_its_error_for_the_ne
 # --- resume -------------------------------------------------------------------------------
 
 
+def _straight_and_resumed(build, rank: int, steps: int, save_after: int):
+    """A straight run of ``steps`` inner steps, and one rebuilt by ``build()`` from the
+    state dicts saved after step ``save_after`` (0-based) that takes the rest."""
+    net, inner, diloco = build()
+    saved = None
+    for step in range(steps):
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+        if step == save_after:
+            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
+    net2, inner2, diloco2 = build()
+    for part, state in zip((net2, inner2, diloco2), saved):
+        part.load_state_dict(state)
+    for step in range(save_after + 1, steps):
+        _inner_step(net2, inner2, rank, step)
+        diloco2.step()
+    return (net, diloco), (net2, diloco2)
+
+
 def _resume(rank: int, world: int, out: str) -> None:
     def build():
         net = _net()
@@ -155,20 +174,7 @@ def _resume(rank: int, world: int, out: str) -> None:
         state = Controller(net, "int", levels=(8, 4), interval=1, interval_unit="step")
         return net, inner, DiLoCo(net, inner, 2, state=state)
 
-    net, inner, diloco = build()
-    saved = None
-    for step in range(8):
-        _inner_step(net, inner, rank, step)
-        diloco.step()
-        if step == 3:
-            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
-    net2, inner2, diloco2 = build()
-    net2.load_state_dict(saved[0])
-    inner2.load_state_dict(saved[1])
-    diloco2.load_state_dict(saved[2])
-    for step in range(4, 8):
-        _inner_step(net2, inner2, rank, step)
-        diloco2.step()
+    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 8, 3)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.rounds, diloco2.rounds), out)
 
@@ -348,20 +354,8 @@ def _resume_in_warmup(rank: int, world: int, out: str) -> None:
         warm = Controller(net, "int", levels=(8, 8), interval_unit="step")
         return net, inner, DiLoCo(net, inner, 2, warmup_steps=3, warmup_state=warm)
 
-    net, inner, diloco = build()
-    saved = None
-    for step in range(7):
-        _inner_step(net, inner, rank, step)
-        diloco.step()
-        if step == 1:  # inside the warm-up
-            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
-    net2, inner2, diloco2 = build()
-    net2.load_state_dict(saved[0])
-    inner2.load_state_dict(saved[1])
-    diloco2.load_state_dict(saved[2])
-    for step in range(2, 7):
-        _inner_step(net2, inner2, rank, step)
-        diloco2.step()
+    # saved after the second step: inside the warm-up
+    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 7, 1)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.sent(), diloco2.sent()), out)
 
@@ -473,20 +467,8 @@ def _resume_mid_window(rank: int, world: int, out: str) -> None:
         return net, inner, DiLoCo(net, inner, 2, warmup_steps=6, warmup_eta=1e6,
                                   warmup_window=2)  # fmt: skip
 
-    net, inner, diloco = build()
-    saved = None
-    for step in range(8):
-        _inner_step(net, inner, rank, step)
-        diloco.step()
-        if step == 2:  # one step into the second window
-            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
-    net2, inner2, diloco2 = build()
-    net2.load_state_dict(saved[0])
-    inner2.load_state_dict(saved[1])
-    diloco2.load_state_dict(saved[2])
-    for step in range(3, 8):
-        _inner_step(net2, inner2, rank, step)
-        diloco2.step()
+    # saved after the third step: one step into the second window
+    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 8, 2)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.warmup_end, diloco2.warmup_end), out)
 
