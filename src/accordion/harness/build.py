@@ -86,7 +86,7 @@ def _warmup_state(strategy: Strategy, model: nn.Module, seed: int) -> Controller
 
 def _warmup_window(config: TrainConfig) -> int:
     """The warm-up norm test's window: the run's check interval when it counts steps."""
-    return config.interval if config.interval_unit == "step" else 25
+    return config.interval if config.interval_unit == "step" and config.interval else 25
 
 
 def _device(local_rank: int) -> torch.device:
