@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from accordion import Controller
 from accordion.compress import (
     Reducer,
     SimulatedTransport,
@@ -87,3 +89,24 @@ def test_async_exchanges_are_bitwise_reproducible(tmp_path):
     run_processes(_repeat_training_like_exchanges, 4, str(tmp_path))
     first, second = torch.load(tmp_path / "rank0.pt")
     assert torch.equal(first, second)
+
+
+def _controllers_over_disjoint_subgroups(rank: int, world_size: int, out: str) -> None:
+    crosses = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+    net = nn.Linear(3, 2)
+    for p in net.parameters():
+        p.grad = torch.full_like(p, float(rank))
+    # ranks 0 and 2 open {0, 2}'s private copy while ranks 1 and 3 open {1, 3}'s
+    state = Controller(net, "dense", interval_unit="step", process_group=crosses[rank % 2])
+    state.reduce_gradients(list(net.parameters()))
+    mean = net.weight.grad[0, 0].item()
+    means = [None] * world_size
+    dist.all_gather_object(means, mean)
+    if rank == 0:
+        torch.save(means, out)
+
+
+def test_states_over_disjoint_subgroups_open_their_transports_at_once(tmp_path):
+    out = tmp_path / "means.pt"
+    run_processes(_controllers_over_disjoint_subgroups, 4, str(out), timeout=90)
+    assert torch.load(out) == [1.0, 2.0, 1.0, 2.0]  # {0, 2} averages 0 and 2; {1, 3} 1 and 3

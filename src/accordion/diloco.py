@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ._validate import check_int, check_state_keys
-from .compress.transport import TorchTransport, group_timeout
 from .controller import Controller
 from .diloco_warmup import WarmupEnd
 
@@ -73,10 +72,8 @@ class DiLoCo:
             ``new_group([0, 2])`` and ``new_group([1, 3])`` (every rank creating every
             group, in the same order). Anything else is a ``ValueError`` naming both
             groups' ranks: DDP already keeps the shared ranks equal, nothing would be left
-            to sync (``state=None``, the default group, shares them). With a DDP
-            model the constructor is collective over the default group: it opens the
-            states' transports, every rank creating every cross group's private copy in
-            the same order. The replica's ranks must stay equal through DDP (no
+            to sync (``state=None``, the default group, shares them). The replica's
+            ranks must stay equal through DDP (no
             ``no_sync()`` in the loop): a sync averages across replicas only, and does not
             make them equal again.
         inner_optimizer: the worker's own optimiser over ``model``'s parameters; its
@@ -154,8 +151,6 @@ class DiLoCo:
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, "
                             f"got {type(self.outer).__name__}")  # fmt: skip
-        if ddp is not None:  # every check passed: the collective part
-            _open_transports([self.state, self.warmup_state])
         # fp32: H small steps summed in bf16 would round away
         self._anchor = [p.detach().float().clone() for p in self.params]
         #: Inner steps taken so far, and outer steps (rounds).
@@ -386,26 +381,6 @@ def _check_replica_groups(ddp: _DDP, group: Any, name: str) -> None:
         "dist.new_group([0, 2]) and dist.new_group([1, 3]), every rank creating every group "
         "in the same order"
     )
-
-
-def _open_transports(states: list[Controller | None]) -> None:
-    """Give each of ``states`` (over a cross-replica group; ``None`` skipped) that has
-    none yet a transport over a private copy of its group; collective over the default
-    group. ``dist.new_group`` needs every rank of the default group, creating the same
-    groups in the same order: a state left to create its own at first use would create
-    ``{0, 2}``'s copy on ranks 0 and 2 while ranks 1 and 3 create ``{1, 3}``'s, two groups
-    of one name that pair wrongly (the workers hang). So every rank tells the others its
-    states' groups, and every rank creates all of them, in one order."""
-    wanted = [(role, tuple(_ranks(state.process_group))) for role, state in enumerate(states)
-              if state is not None and state._transport is None]  # fmt: skip
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, wanted)
-    for role, ranks in sorted({tuple(entry) for theirs in everyone for entry in theirs}):
-        state = states[role] if (role, ranks) in wanted else None
-        timeout = None if state is None else state.timeout or group_timeout(state.process_group)
-        group = dist.new_group(list(ranks), timeout=timeout)
-        if state is not None:  # a member: what Controller(transport=...) would have held
-            state._transport = TorchTransport(group)
 
 
 __all__ = ["DiLoCo", "default_outer_optimizer", "OUTER_LR", "OUTER_MOMENTUM"]

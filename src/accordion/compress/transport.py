@@ -509,9 +509,11 @@ def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
     Its collectives time out after ``timeout``, by default ``process_group``'s own (the
     default group's, for ``None``): ``new_group`` would otherwise give it the backend's
     default (30 minutes for gloo), and a rank that disagrees would block the others for
-    that long, whatever timeout the job set. Created once per set of ranks and timeout
-    (``new_group`` is collective: every rank creates them in the same order, so the
-    cache stays consistent across ranks).
+    that long, whatever timeout the job set. Created once per set of ranks and timeout.
+    A copy of the default group is created by every rank; a copy of a smaller group by its
+    members alone (``use_local_synchronization``): ranks 0 and 2 may create ``{0, 2}``'s
+    while ranks 1 and 3 create ``{1, 3}``'s, as the states of DiLoCo's replicas do, which
+    a ``new_group`` collective over every rank would pair wrongly (the ranks hang).
     """
     if timeout is None:
         timeout = group_timeout(process_group)
@@ -522,6 +524,8 @@ def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:
     key = (id(dist.group.WORLD), ranks, timeout)
     group = _PRIVATE_GROUPS.get(key)
     if group is None:
-        group = dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout)
+        members = list(ranks) if ranks is not None else None
+        local = members is not None and len(members) < dist.get_world_size()
+        group = dist.new_group(ranks=members, timeout=timeout, use_local_synchronization=local)
         _PRIVATE_GROUPS[key] = group
     return group
