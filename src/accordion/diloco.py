@@ -73,9 +73,8 @@ class DiLoCo:
             group, in the same order). Anything else is a ``ValueError`` naming both
             groups' ranks: DDP already keeps the shared ranks equal, nothing would be left
             to sync (``state=None``, the default group, shares them). The replica's
-            ranks must stay equal through DDP (no
-            ``no_sync()`` in the loop): a sync averages across replicas only, and does not
-            make them equal again.
+            ranks must stay equal through DDP (no ``no_sync()`` in the loop): a sync
+            averages across replicas only, and does not make them equal again.
         inner_optimizer: the worker's own optimiser over ``model``'s parameters; its
             state (e.g. AdamW's moments) stays local, as in DiLoCo.
         sync_every: H, the inner steps per round (an int >= 1).
