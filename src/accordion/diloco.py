@@ -103,8 +103,8 @@ class DiLoCo:
             gradients' summed norm changed by less than ``warmup_eta`` (relative) from the
             window before's (the paper's norm test on the whole model,
             :class:`~accordion.diloco_warmup.WarmupEnd`); ``warmup_steps`` is then its
-            longest. A window in which the inner learning rate rose (a learning-rate
-            warm-up) is never calm. The paper's 0.5 is the usual value.
+            longest. A window that ends at a higher inner learning rate than it began
+            at (a learning-rate warm-up) is never calm. The paper's 0.5 is the usual value.
         warmup_window: inner steps per window of that test (an int >= 1, default 25).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer

@@ -5,11 +5,11 @@ norm changes: a layer is critical while the norm of its gradients summed over a 
 changes by ``eta`` or more (relative) from one window to the next. :class:`WarmupEnd`
 applies that test to the whole model's averaged warm-up gradient, window by window, and
 says when it first finds the model calm: DiLoCo then leaves data-parallel steps for its
-rounds. A window in which the learning rate rose (a learning-rate warm-up) is critical
-whatever its norms, as the paper holds a window with a decay critical: the schedule is
-still moving the model into its regime. The test is on the average that every rank
-applies, and each window's norm is agreed with one ``max`` all-reduce of one float, so
-every rank ends on the same step.
+rounds. A window that ends at a higher learning rate than it began at (a learning-rate
+warm-up) is critical whatever its norms, as the paper holds a window with a decay
+critical: the schedule is still moving the model into its regime. The test is on the
+average that every rank applies, and each window's norm is agreed with one ``max``
+all-reduce of one float, so every rank ends on the same step.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class WarmupEnd:
         self._steps = 0  # steps summed in the current window
         self._first_lr: float | None = None  # the learning rate of the window's first step
         #: One record per finished window: its last ``step``, ``norm``, ``ratio`` to the
-        #: window before (``None`` for the first), whether the learning rate rose in it
-        #: (``lr_rose``) and whether it was ``calm``.
+        #: window before (``None`` for the first), whether its last step's learning rate
+        #: was above its first step's (``lr_rose``) and whether it was ``calm``.
         self.checks: list[dict[str, Any]] = []
 
     def add(self, params: Sequence[nn.Parameter]) -> None:
@@ -57,7 +57,8 @@ class WarmupEnd:
         """Count one step (``step``, the inner steps so far, taken at learning rate
         ``lr``); at a window's end, test it (collective: every rank must call this at
         every warm-up step). Returns whether this window was calm: its norm changed by
-        less than ``eta`` from the last one's, and the learning rate did not rise in it."""
+        less than ``eta`` from the last one's, and its last step's learning rate is not
+        above its first step's."""
         self._steps += 1
         if self._first_lr is None:
             self._first_lr = float(lr)
