@@ -48,7 +48,8 @@ momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+st
 ``warmup=N`` trains the first N steps data-parallel (gradients averaged every step, dense,
 or compressed by ``warmup-with=NAME/LEVEL``, e.g. ``int/4`` or ``powersgd/4``) before the
 first round; ``warmup-eta=X`` lets the paper's norm test end it sooner, at the first
-window (the run's ``interval`` steps) whose gradient norm changed by less than X.
+window (the run's ``interval`` steps; 25 when it counts epochs) whose gradient norm
+changed by less than X.
 """
 
 from __future__ import annotations
