@@ -303,7 +303,7 @@ class IntQuantizer(Compressor):
         payload, scales = [], []
         for m, b in zip(tensors, bits):
             values, s = quantize(m, b)
-            m.sub_(dequantize(values, s, m.shape, _wide(m.dtype)).view(m.shape))  # residual
+            m.sub_(dequantize(values, s, m.shape, wide_dtype(m.dtype)).view(m.shape))  # residual
             payload.append(pack(values, b))
             scales.append(s)
         sent, sent_scales = torch.cat(payload), torch.cat(scales)
@@ -317,7 +317,7 @@ class IntQuantizer(Compressor):
             numel, nbytes, nscales = m.numel(), packed_bytes(m.numel(), b), block_count(m.shape)
             values = unpack(gathered[:, offset : offset + nbytes], b, numel)
             s = gathered_scales[:, scale_offset : scale_offset + nscales]
-            average = _mean_of_workers(dequantize(values, s, m.shape, _wide(m.dtype)))
+            average = _mean_of_workers(dequantize(values, s, m.shape, wide_dtype(m.dtype)))
             average = average.view(m.shape)
             if out is None:
                 average = average.to(m.dtype)
@@ -328,8 +328,8 @@ class IntQuantizer(Compressor):
         return results
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the average is summed in: fp32, or ``dtype`` if wider."""
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dequantised average is summed in: fp32, or ``dtype`` if wider."""
     return torch.promote_types(dtype, torch.float32)
 
 

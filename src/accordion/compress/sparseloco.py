@@ -40,7 +40,16 @@ from typing import Any
 import torch
 
 from .base import Compressor, Result, register
-from .quantize import SCALE_BYTES, block_count, dequantize, pack, packed_bytes, quantize, unpack
+from .quantize import (
+    SCALE_BYTES,
+    block_count,
+    dequantize,
+    pack,
+    packed_bytes,
+    quantize,
+    unpack,
+    wide_dtype,
+)
 from .topk import check_fraction, topk_count
 from .transport import AllGather, Exchange
 from .wire import Message
@@ -191,7 +200,9 @@ class SparseLoCo(Compressor):
         if not tensors:
             return []
         fractions = [self.level(key) for key in keys]
-        encoded = [_encode(m, f) for m, f in zip(tensors, fractions)]
+        # each kept entry's chunk, the same for every worker's payload: computed once
+        starts = [chunk_starts(m.numel(), f, m.device) for m, f in zip(tensors, fractions)]
+        encoded = [_encode(m, f, s) for m, f, s in zip(tensors, fractions, starts)]
         sent = [torch.cat([e[j] for e in encoded]) for j in range(3)]
         if any(s.numel() for s in sent):
             gathered = yield [AllGather(s) for s in sent]
@@ -199,10 +210,10 @@ class SparseLoCo(Compressor):
             gathered = [s.unsqueeze(0) for s in sent]
         results: Result = []
         offsets = [0, 0, 0]
-        for i, (m, f, e) in enumerate(zip(tensors, fractions, encoded)):
+        for i, (m, s, e) in enumerate(zip(tensors, starts, encoded)):
             sizes = [part.numel() for part in e[:3]]
             own = [g[:, o : o + n] for g, o, n in zip(gathered, offsets, sizes)]
-            average = _decode(own, m.numel(), f, world_size, _wide(m.dtype)).view(m.shape)
+            average = _decode(own, m.numel(), s, world_size, wide_dtype(m.dtype)).view(m.shape)
             average = average.to(m.dtype) if out is None else out[i].copy_(average)
             results.append((average, e[3]))
             offsets = [o + n for o, n in zip(offsets, sizes)]
@@ -210,15 +221,16 @@ class SparseLoCo(Compressor):
 
 
 def _encode(
-    m: torch.Tensor, fraction: float
+    m: torch.Tensor, fraction: float, starts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed values, int16 indices as bytes, fp16 scales, residual)`` of one tensor ``m``: the
-    residual is ``m`` itself (a copy where it is not contiguous) less what is sent."""
+    """``(packed values, int16 indices as bytes, fp16 scales, residual)`` of one tensor
+    ``m`` (``starts``: :func:`chunk_starts` of it); the residual is ``m`` itself (a copy
+    where it is not contiguous) less what is sent."""
     flat = m.view(-1) if m.is_contiguous() else m.reshape(-1)
     local = select(flat, fraction)
-    positions = local + chunk_starts(flat.numel(), fraction, flat.device)
+    positions = local + starts
     codes, scales = quantize(flat[positions], BITS)
-    sent = dequantize(codes, scales, (codes.numel(),), _wide(m.dtype))
+    sent = dequantize(codes, scales, (codes.numel(),), wide_dtype(m.dtype))
     flat[positions] -= sent.to(flat.dtype)  # the input is ours: it becomes the residual
     residual = m if m.is_contiguous() else flat.view(m.shape)
     # int16 sent as its bytes: gloo's all-gather takes uint8 but not int16
@@ -226,24 +238,20 @@ def _encode(
 
 
 def _decode(
-    gathered: Sequence[torch.Tensor], numel: int, fraction: float, world_size: int,
+    gathered: Sequence[torch.Tensor], numel: int, starts: torch.Tensor, world_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """The flat average over the workers of one tensor of ``numel`` entries from its rows
-    of the gathered ``(values, indices, scales)``, in ``dtype``."""
+    of the gathered ``(values, indices, scales)`` (``starts``: its :func:`chunk_starts`),
+    in ``dtype``."""
     packed, index_bytes, scales = gathered
     indices = index_bytes.contiguous().view(INDEX_DTYPE)  # [W, K]: the bytes sent, read back
     k = indices.shape[-1]
     values = dequantize(unpack(packed, BITS, k), scales, (k,), dtype)  # [W, k]
-    positions = indices.long() + chunk_starts(numel, fraction, indices.device)
+    positions = indices.long() + starts
     total = torch.zeros(numel, dtype=dtype, device=values.device)
     # one worker at a time, worker 0 first: a worker's positions are distinct, so each
     # index_add_ is deterministic and the order of additions is the same on every rank
     for w in range(values.shape[0]):
         total.index_add_(0, positions[w], values[w])
     return total.div_(world_size)
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype values are decoded and summed in: fp32, or ``dtype`` if wider."""
-    return torch.promote_types(dtype, torch.float32)
