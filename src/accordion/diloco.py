@@ -50,6 +50,8 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 _STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state",
                          "warmup_end", "warmup_test"})  # fmt: skip
 _DDP = nn.parallel.DistributedDataParallel
+#: Inner steps per window of the warm-up's norm test, by default.
+WARMUP_WINDOW = 25
 
 
 def default_outer_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -105,7 +107,8 @@ class DiLoCo:
             :class:`~accordion.diloco_warmup.WarmupEnd`); ``warmup_steps`` is then its
             longest. A window that ends at a higher inner learning rate than it began
             at (a learning-rate warm-up) is never calm. The paper's 0.5 is the usual value.
-        warmup_window: inner steps per window of that test (an int >= 1, default 25).
+        warmup_window: inner steps per window of that test (an int >= 1, default
+            :data:`WARMUP_WINDOW`, 25).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
     step is collective, and so is each warm-up step.
@@ -116,7 +119,7 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                  | None = None, warmup_steps: int = 0,
                  warmup_state: Controller | None = None, warmup_eta: float | None = None,
-                 warmup_window: int = 25):  # fmt: skip
+                 warmup_window: int = WARMUP_WINDOW):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
         ddp = model if isinstance(model, _DDP) else None
         module = model if ddp is None else ddp.module
@@ -183,10 +186,11 @@ class DiLoCo:
             with torch.no_grad():  # the replicas are equal: the next round starts here
                 for p, anchor in zip(self.params, self._anchor):
                     anchor.copy_(p)
-            test, transport = self.warmup_test, self.warmup_state.transport()
-            lr = self.inner.param_groups[0]["lr"]  # the schedule's, the same on every rank
-            if test is not None and test.calm_after(self.inner_steps, transport, lr):
-                self.warmup_end = self.inner_steps  # collective: the same step on every rank
+            if self.warmup_test is not None:  # the test's transport and lr only with a test
+                lr = self.inner.param_groups[0]["lr"]  # the schedule's, alike on every rank
+                transport = self.warmup_state.transport()
+                if self.warmup_test.calm_after(self.inner_steps, transport, lr):
+                    self.warmup_end = self.inner_steps  # collective: one step on every rank
             return False
         self.inner_steps += 1
         if (self.inner_steps - self.warmup_length) % self.sync_every:
@@ -382,4 +386,4 @@ def _check_replica_groups(ddp: _DDP, group: Any, name: str) -> None:
     )
 
 
-__all__ = ["DiLoCo", "default_outer_optimizer", "OUTER_LR", "OUTER_MOMENTUM"]
+__all__ = ["DiLoCo", "default_outer_optimizer", "OUTER_LR", "OUTER_MOMENTUM", "WARMUP_WINDOW"]

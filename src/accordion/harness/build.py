@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..batch import BatchSizeController
 from ..controller import Controller
-from ..diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
+from ..diloco import OUTER_LR, OUTER_MOMENTUM, WARMUP_WINDOW, DiLoCo
 from ..models import get_model
 from ..policy import PaperRule
 from .attach import attach_strategy
@@ -85,8 +85,11 @@ def _warmup_state(strategy: Strategy, model: nn.Module, seed: int) -> Controller
 
 
 def _warmup_window(config: TrainConfig) -> int:
-    """The warm-up norm test's window: the run's check interval when it counts steps."""
-    return config.interval if config.interval_unit == "step" and config.interval else 25
+    """The warm-up norm test's window: the run's check interval when it counts steps, else
+    the library's default."""
+    if config.interval_unit == "step" and config.interval:
+        return config.interval
+    return WARMUP_WINDOW
 
 
 def _device(local_rank: int) -> torch.device:
