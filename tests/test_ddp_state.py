@@ -182,7 +182,7 @@ def test_loading_a_state_from_another_world_size_is_an_error():
     saved = _saved()
     saved["world_size"] = 4
     with pytest.raises(ValueError, match="world size 4"):
-        AccordionState(make_net()).load_state_dict(saved)
+        AccordionState(make_net(), "powersgd").load_state_dict(saved)
 
 
 def test_loading_a_state_of_another_compressor_is_an_error():
@@ -193,7 +193,7 @@ def test_loading_a_state_of_another_compressor_is_an_error():
 def test_loading_a_state_of_another_model_is_an_error():
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     with pytest.raises(ValueError, match="does not match the model"):
-        AccordionState(other).load_state_dict(_saved())
+        AccordionState(other, "powersgd").load_state_dict(_saved())
 
 
 def test_binding_a_module_later_moves_lazily_bound_state_to_the_names():

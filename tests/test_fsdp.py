@@ -127,6 +127,33 @@ def test_hsdp_dense_level_matches_native_hsdp_so_gradients_are_averaged_once(tmp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _default_run(rank, world_size, out):
+    mesh = _mesh()
+    net = _model(mesh["shard"])
+    state = FSDPState(net, mesh)  # the default ladder, int8 -> int4
+    losses = _train(net, torch.optim.SGD(net.parameters(), lr=0.05), 8)
+    reference = _model(mesh)
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05), 8)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, _full_params(net))
+    torch.save({"gathered": gathered, "losses": losses, "ref_losses": ref_losses,
+                "levels": state.ladder.levels, "floats": state.ledger.total_floats,
+                "dense": state.dense_floats()}, f"{out}/rank{rank}.pt")  # fmt: skip
+
+
+def test_hsdp_with_the_default_ladder_quantises_across_replicas_like_native_hsdp(tmp_path):
+    run_processes(_default_run, REPLICAS * SHARDS, str(tmp_path), timeout=120)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(REPLICAS * SHARDS)]
+    first = results[0]
+    assert first["levels"] == ("int/8", "int/4")
+    assert 0 < first["floats"] < 0.5 * first["dense"]  # int8 sends about a quarter
+    for other in first["gathered"][1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first["gathered"][0], other))
+    for result in results:
+        compressed, dense = result["losses"][-4:], result["ref_losses"][-4:]
+        assert sum(compressed) / 4 == pytest.approx(sum(dense) / 4, rel=0.02)
+
+
 def _resume_run(rank, world_size, out):
     mesh = _mesh()
     net = _model(mesh["shard"])

@@ -25,13 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._validate import check_choice
 from .accounting import Ledger
 from .agreement import agreed_rungs, agreement_device, check_agreement
 from .audit import Audits, audited_exchange
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
 from .compress import ErrorFeedback, Exchange, Reducer, average_in_place, compressor_class
+from .compress.base import RANK_CHANGE_POLICIES
 from .compress.transport import check_process_group, check_timeout, open_transport, world_and_rank
+from .defaults import resolve
 from .params import ParameterTable
 from .policy import Rule, Schedule
 from .policy.decider import Decider, ladder_of, rule_of
@@ -53,8 +56,14 @@ class Controller:
     Args:
         model: the module whose gradients are averaged (plain or DDP-wrapped), or ``None``
             to bind parameters lazily from the buckets.
-        compressor: a registered compressor name (``"powersgd"``, ``"topk"``, ``"half"``,
-            ``"dense"``; see ``accordion.compress.compressor_names()``).
+        compressor: a registered compressor name (``"powersgd"``, ``"topk"``, ``"int"``,
+            ``"mixed"``, ``"half"``, ``"dense"``; see ``accordion.compress.compressor_names()``).
+            Default ``None``: with no levels either, the ladder int8 -> int4 of the
+            ``"mixed"`` compressor, which kept dense quality on CNNs with SGD and on
+            transformers with AdamW, a rung past its break-even at the group's size
+            replaced by half precision (:func:`accordion.defaults.default_levels`); with
+            ``levels`` that name their compressors (``"int/8"``), ``"mixed"``; with other
+            levels (or ``mild``/``aggressive``), ``"powersgd"``.
         mild: level in critical regimes (PowerSGD rank, top-k fraction, ...). Default:
             the compressor's (rank 2 / top-k 0.99).
         aggressive: level elsewhere. Default: rank 1 / top-k 0.1. ``mild == aggressive``
@@ -88,7 +97,7 @@ class Controller:
             ``process_group``, created at first use (see :meth:`transport`).
     """
 
-    def __init__(self, model: nn.Module | None = None, compressor: str = "powersgd",
+    def __init__(self, model: nn.Module | None = None, compressor: str | None = None,
                  mild: Any = None, aggressive: Any = None, interval: int | None = None,
                  eta: float | None = None, statistic: str | Statistic = "sharded",
                  interval_unit: str = "epoch", process_group: Any = None, seed: int = 0,
@@ -97,17 +106,23 @@ class Controller:
                  transport: Any = None):  # fmt: skip
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        self.process_group = check_process_group(process_group)
+        given = levels is not None or mild is not None or aggressive is not None
+        compressor, default = resolve(compressor, model, self.process_group, levels, given)
         cls = compressor_class(compressor)
+        levels = default or levels
         self._statistic = make_statistic(statistic)
         rule = rule_of(rule, eta)
         schedule = Schedule(rule.default_interval if interval is None else interval, interval_unit)
         #: The policy over time: ladder, schedule, rule, rungs, decays, epochs and steps.
         self.decider = Decider(ladder_of(cls, mild, aggressive, levels), rule, schedule)
         self.compressor_name = cls.name
-        self.process_group = check_process_group(process_group)
         self.timeout = check_timeout(timeout)
         self.seed = seed
-        self._options = {"seed": seed, "on_rank_change": on_rank_change}
+        # every compressor takes the option, the ones without a warm start ignore it
+        self._options = {"seed": seed,
+                         "on_rank_change": check_choice("on_rank_change", on_rank_change,
+                                                        RANK_CHANGE_POLICIES)}  # fmt: skip
         self.reducer = self._new_reducer()
         self.ledger = Ledger()
         self.params = ParameterTable()

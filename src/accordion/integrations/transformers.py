@@ -8,7 +8,7 @@ trainer for that (callbacks receive only the unwrapped model), hence ``attach``:
     from accordion.ddp import AccordionState
     from accordion.integrations.transformers import AccordionTrainerCallback
 
-    state = AccordionState(model, "powersgd", levels=(4, 2, 1), interval=50, interval_unit="step")
+    state = AccordionState(model, interval=50, interval_unit="step")  # int8, then int4
     trainer = Trainer(model=model, args=args, train_dataset=data)
     AccordionTrainerCallback(state).attach(trainer)   # adds itself to trainer's callbacks
     trainer.train()
