@@ -70,7 +70,7 @@ def test_levels_that_name_their_compressors_need_no_compressor():
 
 
 def test_a_named_compressor_keeps_its_own_default_levels():
-    assert resolve("powersgd", _net(), None, None, False) == ("powersgd", None)
+    assert resolve("powersgd", _net(), None, None) == ("powersgd", None)
     assert AccordionState(_net(), "powersgd").ladder.levels == (2, 1)
 
 

@@ -50,6 +50,16 @@ def _counter(name: str, doc: str) -> property:
                     lambda self, value: setattr(self.decider, name, value), doc=doc)  # fmt: skip
 
 
+def _check_levels(controller: "Controller", stacklevel: int) -> None:
+    """Warn once of the layers some level of ``controller`` sends dense, and of the
+    compressor's advice on a level, in one ``RuntimeWarning``
+    (:func:`accordion.report.useless_levels`)."""
+    controller._levels_checked = True
+    message = useless_levels(controller.ladder, controller._layers())
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
 class Controller:
     """Accordion for one model: compression, statistics, decisions, accounting, checkpoints.
 
@@ -58,12 +68,8 @@ class Controller:
             to bind parameters lazily from the buckets.
         compressor: a registered compressor name (``"powersgd"``, ``"topk"``, ``"int"``,
             ``"mixed"``, ``"half"``, ``"dense"``; see ``accordion.compress.compressor_names()``).
-            Default ``None``: with no levels either, the ladder int8 -> int4 of the
-            ``"mixed"`` compressor, which kept dense quality on CNNs with SGD and on
-            transformers with AdamW, a rung past its break-even at the group's size
-            replaced by half precision (:func:`accordion.defaults.default_levels`); with
-            ``levels`` that name their compressors (``"int/8"``), ``"mixed"``; with other
-            levels (or ``mild``/``aggressive``), ``"powersgd"``.
+            Default ``None``: without levels the default ladder, int8 -> int4 of ``"mixed"``
+            (:func:`accordion.defaults.resolve`); levels without it are PowerSGD ranks.
         mild: level in critical regimes (PowerSGD rank, top-k fraction, ...). Default:
             the compressor's (rank 2 / top-k 0.99).
         aggressive: level elsewhere. Default: rank 1 / top-k 0.1. ``mild == aggressive``
@@ -106,11 +112,9 @@ class Controller:
                  transport: Any = None):  # fmt: skip
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
-        self.process_group = check_process_group(process_group)
-        given = levels is not None or mild is not None or aggressive is not None
-        compressor, default = resolve(compressor, model, self.process_group, levels, given)
+        self.process_group = group = check_process_group(process_group)
+        compressor, levels = resolve(compressor, model, group, levels, mild, aggressive)
         cls = compressor_class(compressor)
-        levels = default or levels
         self._statistic = make_statistic(statistic)
         rule = rule_of(rule, eta)
         schedule = Schedule(rule.default_interval if interval is None else interval, interval_unit)
@@ -119,10 +123,8 @@ class Controller:
         self.compressor_name = cls.name
         self.timeout = check_timeout(timeout)
         self.seed = seed
-        # every compressor takes the option, the ones without a warm start ignore it
-        self._options = {"seed": seed,
-                         "on_rank_change": check_choice("on_rank_change", on_rank_change,
-                                                        RANK_CHANGE_POLICIES)}  # fmt: skip
+        check_choice("on_rank_change", on_rank_change, RANK_CHANGE_POLICIES)  # for every kind
+        self._options = {"seed": seed, "on_rank_change": on_rank_change}
         self.reducer = self._new_reducer()
         self.ledger = Ledger()
         self.params = ParameterTable()
@@ -168,15 +170,7 @@ class Controller:
         if renamed:
             self._costs.clear()  # keyed by the old names
         if not self._levels_checked:
-            self._check_levels(stacklevel=4)
-
-    def _check_levels(self, stacklevel: int) -> None:
-        """Warn once of the layers some level sends dense, and of the compressor's advice
-        on a level, in one ``RuntimeWarning`` (:func:`accordion.report.useless_levels`)."""
-        self._levels_checked = True
-        message = useless_levels(self.ladder, self._layers())
-        if message:
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            _check_levels(self, stacklevel=4)
 
     def transport(self) -> Any:
         """The transport of every collective; every rank must get here at the same point
@@ -222,7 +216,7 @@ class Controller:
         and their cost at the current levels (every one dense with ``dense``) to the ledger."""
         self.decider.observed = True
         if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
-            self._check_levels(stacklevel=5)
+            _check_levels(self, stacklevel=5)
         world, layers = transport.world_size, self._layers()
         if self.adaptive and self.schedule.collecting(self.epoch) and layers.compressed():
             self._statistic.observe(keys, grads, layers, world, transport.rank)

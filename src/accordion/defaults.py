@@ -43,21 +43,22 @@ def default_levels(world_size: int, element_size: int = 4) -> tuple[str, ...]:
 
 
 def resolve(compressor: str | None, model: nn.Module | None, process_group: Any,
-            levels: Any, given: bool) -> tuple[str, tuple[str, ...] | None]:  # fmt: skip
-    """The compressor name and, for the default ladder, its levels: ``compressor`` as
-    given (levels ``None``: the caller's). With ``None``: ``"mixed"`` for ``levels`` that
-    all name their compressor (``"int/8"``), PowerSGD for other levels (``given``: levels
-    or ``mild``/``aggressive``, what such levels meant before), and with none
+            levels: Any, mild: Any = None, aggressive: Any = None) -> tuple[str, Any]:  # fmt: skip
+    """The compressor name and the ladder's ``levels`` of a state given ``compressor``,
+    ``levels``, ``mild`` and ``aggressive``: ``compressor`` and ``levels`` as given, unless
+    ``compressor`` is ``None``. Then: ``"mixed"`` for ``levels`` that all name their
+    compressor (``"int/8"``), PowerSGD for other levels or ``mild``/``aggressive`` (what
+    such levels meant before), and with none of them the default ladder,
     :func:`default_levels` at ``process_group``'s size for ``model``'s gradient width
     (fp32 without a model)."""
     if compressor is not None:
-        return compressor, None
+        return compressor, levels
     if isinstance(levels, Sequence) and levels and all(
         isinstance(level, str) and "/" in level for level in levels
     ):
-        return DEFAULT_COMPRESSOR, None
-    if given:
-        return LEGACY_COMPRESSOR, None
+        return DEFAULT_COMPRESSOR, levels
+    if levels is not None or mild is not None or aggressive is not None:
+        return LEGACY_COMPRESSOR, levels
     world_size = world_and_rank(process_group)[0]
     first = next(iter(model.parameters()), None) if model is not None else None
     element_size = 4 if first is None else first.element_size()
