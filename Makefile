@@ -19,7 +19,8 @@ demo: $(STAMP)
 		--strategies dense static:powersgd:4 static:powersgd:1 accordion:powersgd:4,1:paper \
 		accordion:powersgd:4,2,1 static:topk:0.99 static:topk:0.01 \
 		accordion:topk:0.99,0.01:paper accordion:topk:0.99,0.1,0.01 \
-		--baseline static:powersgd:4 static:topk:0.99 --out runs/demo
+		static:int:8 static:int:4 accordion:mixed:int/8,int/4 \
+		--baseline static:powersgd:4 static:topk:0.99 static:int:8 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples checks

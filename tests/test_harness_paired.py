@@ -15,6 +15,7 @@ from accordion.harness.paired import (
     check_baselines,
     final_by_seed,
     merge_results,
+    pair_baselines,
     paired_difference,
     summarize_paired,
     t_quantile,
@@ -197,6 +198,17 @@ def test_each_strategy_is_paired_with_the_baseline_of_its_compressor():
     # PyTorch's own hook compresses with PowerSGD too
     assert rows["torch-powersgd:2"]["baseline"] == PSGD_BASE
     assert rows["torch-powersgd:2"]["mean"] == pytest.approx(-1.0)
+
+
+def test_a_mixed_ladder_is_paired_with_the_baseline_of_its_mild_rungs_compressor():
+    pairs = pair_baselines(
+        ["dense", "static:int:8", "accordion:mixed:int/8,int/4", "accordion:mixed:half/bf16,int/4",
+         "static:powersgd:4"],
+        ["static:powersgd:4", "static:int:8"],
+    )  # fmt: skip
+    assert pairs["accordion:mixed:int/8,int/4"] == "static:int:8"
+    # no half-precision baseline: the first listed, as for any other compressor
+    assert pairs["accordion:mixed:half/bf16,int/4"] == "static:powersgd:4"
 
 
 def test_a_strategy_without_a_baseline_of_its_compressor_goes_to_the_first_listed():

@@ -221,7 +221,9 @@ def pair_baselines(strategies: Sequence[str], baselines: Sequence[str]) -> dict[
     """Strategy -> the baseline it is compared with, for each of ``strategies`` that is
     not a baseline, in their order: the first of ``baselines`` with the same compressor
     (:func:`~accordion.harness.strategies.parse_strategy`'s ``.compressor``: "dense",
-    "powersgd", "topk", ...), else the first baseline.
+    "powersgd", "topk", ...; a ladder of the mixed compressor goes by its mild rung's,
+    so ``accordion:mixed:int/8,int/4`` pairs with ``static:int:8``), else the first
+    baseline.
 
     With one baseline no strategy is parsed (nor torch imported): all go to it.
     """
@@ -229,12 +231,19 @@ def pair_baselines(strategies: Sequence[str], baselines: Sequence[str]) -> dict[
     others = [s for s in strategies if s not in names]
     if len(names) == 1:
         return {s: names[0] for s in others}
-    from .strategies import parse_strategy  # imports torch: only to tell families apart
-
     by_compressor: dict[str, str] = {}
     for name in names:
-        by_compressor.setdefault(parse_strategy(name).compressor, name)
-    return {s: by_compressor.get(parse_strategy(s).compressor, names[0]) for s in others}
+        by_compressor.setdefault(_pairing_compressor(name), name)
+    return {s: by_compressor.get(_pairing_compressor(s), names[0]) for s in others}
+
+
+def _pairing_compressor(strategy: str) -> str:
+    from .strategies import parse_strategy  # imports torch: only to tell families apart
+
+    parsed = parse_strategy(strategy)
+    if parsed.compressor == "mixed" and parsed.levels:  # its mild level is its first rung
+        return str(parsed.levels[0]).split("/", 1)[0]
+    return parsed.compressor
 
 
 def summarize_paired(
