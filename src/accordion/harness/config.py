@@ -106,15 +106,12 @@ class TrainConfig:
         self._check_diloco(strategy)
 
     def _check_diloco(self, strategy: Strategy) -> None:
-        """DiLoCo runs: a task whose step holds no hidden state, and no checkpoints."""
+        """DiLoCo runs: a task whose step holds no hidden state."""
         if strategy.sync_every is None:
             return
         if self.task == "wikitext2":
             raise ValueError(f"strategy {strategy.text!r}: DiLoCo strategies support "
                              "classification and charlm tasks, not 'wikitext2'")  # fmt: skip
-        if self.checkpoint_dir is not None:
-            raise ValueError(f"strategy {strategy.text!r}: a DiLoCo run does not resume yet "
-                             "(its ranks differ between syncs): drop --checkpoint-dir")  # fmt: skip
 
     def _check_settings(self) -> None:
         """The type and range of every setting that needs neither the task nor the world."""

@@ -21,12 +21,17 @@ def resume(run: Run, saver: Checkpointer | None, result: RunResult) -> tuple[int
     the training time so far (s) (collective)."""
     if saver is None:
         return 0, 0.0
-    restored = saver.load_latest(model=run.model, optimizer=run.optimizer,
-                                 accordion=run.state, batch=run.controller)  # fmt: skip
+    if run.diloco is not None:  # each rank's own replica: restored from its own file below
+        restored = saver.load_latest(batch=run.controller)
+    else:
+        restored = saver.load_latest(model=run.model, optimizer=run.optimizer,
+                                     accordion=run.state, batch=run.controller)  # fmt: skip
     if restored is None:
         return 0, 0.0
     extra = restored.extra
     check_same_run(run.config, extra["config"], restored.path)
+    if run.diloco is not None:
+        _load_replica(run, extra, restored)
     if run.rank == 0:  # stderr: stdout holds the run's result
         print(f"resumed from {restored.path} (step {restored.step}: {restored.step} of "
               f"{run.config.epochs} epochs done)", file=sys.stderr, flush=True)  # fmt: skip
@@ -58,5 +63,28 @@ def save(run: Run, saver: Checkpointer, done: int, result: RunResult, train_time
     """Write the checkpoint set after ``done`` epochs (collective)."""
     extra = {"records": result.epochs, "train_time": train_time,
              "traffic": run.traffic.state_dict(), "config": run.config.to_dict()}  # fmt: skip
+    if run.diloco is not None:  # the replicas differ between syncs: every rank saves its own
+        extra["replica"] = {"model": run.model.state_dict(),
+                            "optimizer": run.optimizer.state_dict(),
+                            "diloco": run.diloco.state_dict()}  # fmt: skip
+        saver.save(done, batch=run.controller, extra=extra)
+        return
     saver.save(done, model=run.model, optimizer=run.optimizer, accordion=run.state,
                batch=run.controller, extra=extra)  # fmt: skip
+
+
+def _load_replica(run: Run, extra: dict[str, Any], restored) -> None:
+    """A DiLoCo run's model, inner optimiser and rounds, from this rank's own file."""
+    if restored.saved_world_size != run.world:
+        raise ValueError(
+            f"the checkpoint set {restored.path} was saved by {restored.saved_world_size} workers: "
+            f"a DiLoCo run resumes only on as many (its replicas differ between syncs), got "
+            f"{run.world}"
+        )
+    replica = extra.get("replica")
+    if replica is None:
+        raise ValueError(f"the checkpoint set {restored.path} holds no DiLoCo replica: it is "
+                         "not a DiLoCo run's")  # fmt: skip
+    run.diloco.load_state_dict(replica["diloco"])  # checks everything before it changes
+    run.model.load_state_dict(replica["model"])
+    run.optimizer.load_state_dict(replica["optimizer"])
