@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..checkpoint import Checkpointer
+from ..checkpoint import Checkpointer, Restored
 from .config import TrainConfig
 from .loop import Run
 from .records import RunResult
@@ -73,8 +73,9 @@ def save(run: Run, saver: Checkpointer, done: int, result: RunResult, train_time
                batch=run.controller, extra=extra)  # fmt: skip
 
 
-def _load_replica(run: Run, extra: dict[str, Any], restored) -> None:
+def _load_replica(run: Run, extra: dict[str, Any], restored: Restored) -> None:
     """A DiLoCo run's model, inner optimiser and rounds, from this rank's own file."""
+    assert run.diloco is not None  # called for DiLoCo runs only
     if restored.saved_world_size != run.world:
         raise ValueError(
             f"the checkpoint set {restored.path} was saved by {restored.saved_world_size} workers: "
