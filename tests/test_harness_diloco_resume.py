@@ -12,9 +12,15 @@ from accordion.cli import main
 # 5 optimizer steps per epoch, syncs every 3: epoch ends fall between syncs, and the
 # first epoch ends inside the 7-step data-parallel warm-up
 STRATEGY = "diloco:3:warmup=7:warmup-with=int/4+static:int:4"
-TINY = ["train", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "160",
-        "--test-samples", "32", "--batch-size", "32", "--threads", "1", "--no-progress",
-        "--workers", "2", "--strategy", STRATEGY]  # fmt: skip
+
+
+def _train(workers: int = 2) -> list[str]:
+    return ["train", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "160",
+            "--test-samples", "32", "--batch-size", "32", "--threads", "1", "--no-progress",
+            "--workers", str(workers), "--strategy", STRATEGY]  # fmt: skip
+
+
+TINY = _train()
 
 
 def _replicas(checkpoints, step: int) -> list[dict]:
@@ -42,6 +48,5 @@ def test_a_resumed_diloco_run_ends_bitwise_equal_to_a_straight_one(tmp_path):
 def test_a_diloco_checkpoint_refuses_another_number_of_workers_naming_both(tmp_path):
     checkpoints = tmp_path / "ckpt"
     assert main([*TINY, "--epochs", "1", "--checkpoint-dir", str(checkpoints)]) == 0
-    one_worker = [a if a != "2" or TINY[i - 1] != "--workers" else "1" for i, a in enumerate(TINY)]
     with pytest.raises(Exception, match="saved by 2 workers.*got 1"):
-        main([*one_worker, "--epochs", "2", "--checkpoint-dir", str(checkpoints)])
+        main([*_train(workers=1), "--epochs", "2", "--checkpoint-dir", str(checkpoints)])
