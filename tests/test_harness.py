@@ -35,6 +35,8 @@ ALL_FAMILIES = [
     "diloco:2+static:int:4",
     "diloco:2:warmup=4",
     "diloco:2:warmup=4:warmup-with=int/4",
+    "diloco:4",
+    "diloco:4:fragments=2:delay=1",
 ]
 TINY = dict(
     task="synthetic", synthetic_shape=(40,), train_samples=128, test_samples=64, epochs=3,
@@ -83,6 +85,16 @@ def test_a_diloco_warmup_sends_one_dense_average_per_step_then_one_per_round(com
     # an int4 warm-up: its 4 steps send less than a quarter of dense's each
     compressed = sent["diloco:2:warmup=4:warmup-with=int/4"]
     assert compressed < sent["diloco:2:warmup=4"] - sent["dense"] * 4 / 12 * 3 / 4
+
+
+def test_a_streamed_diloco_syncs_each_fragment_every_h_steps_sending_what_diloco_sends(compared):
+    _, results = compared
+    runs = {r["strategy"]: r for r in results["runs"]}
+    streamed, plain = runs["diloco:4:fragments=2:delay=1"], runs["diloco:4"]
+    # 12 steps: a fragment lands every 2, each of the 2 every 4, as DiLoCo's 3 rounds
+    assert (streamed["diloco"]["fragment_syncs"], streamed["diloco"]["rounds"]) == (6, 3)
+    assert streamed["epochs"][-1]["bytes"] == plain["epochs"][-1]["bytes"] > 0
+    assert "fragment_syncs" not in plain["diloco"]
 
 
 def test_a_diloco_warmup_ended_by_its_norm_test_sends_less_and_records_where(tmp_path):

@@ -12,12 +12,15 @@ from accordion.cli import main
 # 5 optimizer steps per epoch, syncs every 3: epoch ends fall between syncs, and the
 # first epoch ends inside the 7-step data-parallel warm-up
 STRATEGY = "diloco:3:warmup=7:warmup-with=int/4+static:int:4"
+# streamed: a fragment lands every 2 steps after the warm-up, started 1 step before, so
+# the second epoch (step 10) ends with a fragment in flight
+STREAMED = "diloco:4:warmup=7:fragments=2:delay=1:mix=0.5+static:int:4"
 
 
-def _train(workers: int = 2) -> list[str]:
+def _train(workers: int = 2, strategy: str = STRATEGY) -> list[str]:
     return ["train", "--task", "synthetic", "--synthetic-shape", "40", "--train-samples", "160",
             "--test-samples", "32", "--batch-size", "32", "--threads", "1", "--no-progress",
-            "--workers", str(workers), "--strategy", STRATEGY]  # fmt: skip
+            "--workers", str(workers), "--strategy", strategy]  # fmt: skip
 
 
 TINY = _train()
@@ -28,11 +31,13 @@ def _replicas(checkpoints, step: int) -> list[dict]:
     return [torch.load(folder / f"rank-{r}.pt", weights_only=False)["extra"] for r in (0, 1)]
 
 
-def test_a_resumed_diloco_run_ends_bitwise_equal_to_a_straight_one(tmp_path):
+@pytest.mark.parametrize("strategy", [STRATEGY, STREAMED])
+def test_a_resumed_diloco_run_ends_bitwise_equal_to_a_straight_one(tmp_path, strategy):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main([*TINY, "--epochs", "3", "--checkpoint-dir", str(straight)]) == 0
-    assert main([*TINY, "--epochs", "2", "--checkpoint-dir", str(resumed)]) == 0
-    assert main([*TINY, "--epochs", "3", "--checkpoint-dir", str(resumed)]) == 0
+    tiny = _train(strategy=strategy)
+    assert main([*tiny, "--epochs", "3", "--checkpoint-dir", str(straight)]) == 0
+    assert main([*tiny, "--epochs", "2", "--checkpoint-dir", str(resumed)]) == 0
+    assert main([*tiny, "--epochs", "3", "--checkpoint-dir", str(resumed)]) == 0
     ours, theirs = _replicas(resumed, 3), _replicas(straight, 3)
     assert [e["records"][-1]["test_metric"] for e in ours] == [
         e["records"][-1]["test_metric"] for e in theirs]  # fmt: skip

@@ -392,7 +392,9 @@ def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_p
                                     "momentum=-0.1", "lr", "beta=0.9", "lr=1:lr=2",
                                     "warmup=-1", "warmup=2.5", "warmup=4:warmup-with=int/3",
                                     "warmup=4:warmup-with=int4", "warmup=4:warmup-eta=0",
-                                    "warmup=4:warmup-eta=nan", "warmup=4:warmup-eta=x"])
+                                    "warmup=4:warmup-eta=nan", "warmup=4:warmup-eta=x",
+                                    "fragments=0", "fragments=1.5", "delay=-1", "mix=1.5",
+                                    "mix=x"])
 def test_a_bad_diloco_option_is_a_value_error_naming_the_allowed_ones(option):
     with pytest.raises(ValueError, match=re.escape("takes the options lr=... (the outer")):
         parse_strategy(f"diloco:5:{option}")
@@ -421,6 +423,25 @@ def test_diloco_warmup_eta_sets_the_norm_test_that_may_end_the_warmup_sooner():
 def test_diloco_warmup_eta_without_a_warmup_is_a_value_error():
     with pytest.raises(ValueError, match="warmup-eta needs warmup=N with N >= 1"):
         parse_strategy("diloco:10:warmup-eta=0.5")
+
+
+def test_diloco_fragments_delay_and_mix_stream_the_sync():
+    s = parse_strategy("diloco:10:fragments=5:delay=1:mix=0.5+static:int:2")
+    assert (s.sync_every, s.fragments, s.delay, s.mix, s.levels, s.streams) == (
+        10, 5, 1, 0.5, (2,), True
+    )  # fmt: skip
+    plain = parse_strategy("diloco:10")
+    assert (plain.fragments, plain.delay, plain.mix, plain.streams) == (1, 0, 0.0, False)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("diloco:10:fragments=3", "fragments=3 must divide H=10"),
+    ("diloco:10:fragments=2:delay=5", "delay=5 must be below H / fragments = 5"),
+    ("diloco:10:delay=10", "delay=10 must be below H / fragments = 10"),
+])  # fmt: skip
+def test_a_streamed_diloco_schedule_that_cannot_run_is_a_value_error_naming_it(text, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_strategy(text)
 
 
 @pytest.mark.parametrize(

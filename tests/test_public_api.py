@@ -27,6 +27,7 @@ DOCUMENTED = [
     "PaperRule",
     "Rule",
     "Schedule",
+    "StreamingDiLoCo",
     "__version__",
     "accordion_hook",
     "calibrate",

@@ -3,7 +3,7 @@
 Implements Accordion (Agarwal et al., MLSys 2021): compress mildly in critical learning
 regimes and aggressively elsewhere. At the top level: the DDP hook (``AccordionState``,
 ``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, rare
-compressed syncs ``DiLoCo``, the rules
+compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, the rules
 and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Ladder``,
 ``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
 (``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
@@ -12,6 +12,7 @@ and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Lad
 * ``accordion.ddp`` -- Accordion as a DDP communication hook (``AccordionState``);
 * ``accordion.fsdp`` -- Accordion across the replicas of FSDP2's hybrid sharding;
 * ``accordion.diloco`` -- DiLoCo: inner steps alone, compressed outer steps;
+* ``accordion.diloco_streaming`` -- Streaming DiLoCo: fragments synced in turn, overlapped;
 * ``accordion.controller`` -- the parts of Accordion for one model, joined;
 * ``accordion.compress`` -- compressors, error-feedback memory and transports;
 * ``accordion.policy`` -- the rules, ladders and schedules of decisions (pure logic);
@@ -48,6 +49,7 @@ from .compress import compressor_names, make_compressor
 from .controller import Controller
 from .ddp import AccordionState, accordion_hook
 from .diloco import DiLoCo
+from .diloco_streaming import StreamingDiLoCo
 from .fsdp import FSDPState
 from .plan import layer_plan, make_plan, scaling_plan
 from .policy import AuditRule, GuardedRule, Ladder, Observation, PaperRule, Rule, Schedule
@@ -69,6 +71,7 @@ __all__ = [
     "PaperRule",
     "Rule",
     "Schedule",
+    "StreamingDiLoCo",
     "__version__",
     "accordion_hook",
     "calibrate",

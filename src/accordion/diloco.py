@@ -114,6 +114,8 @@ class DiLoCo:
     step is collective, and so is each warm-up step.
     """
 
+    _state_keys = _STATE_KEYS
+
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
                  *, state: Controller | None = None,
                  outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -193,7 +195,11 @@ class DiLoCo:
                     self.warmup_end = self.inner_steps  # collective: one step on every rank
             return False
         self.inner_steps += 1
-        if (self.inner_steps - self.warmup_length) % self.sync_every:
+        return self._round_step(self.inner_steps - self.warmup_length)
+
+    def _round_step(self, t: int) -> bool:
+        """After the ``t``-th inner step of the rounds (from 1): sync at a round's end."""
+        if t % self.sync_every:
             return False
         self.sync()
         return True
@@ -210,17 +216,37 @@ class DiLoCo:
     def sync(self) -> None:
         """The outer step now: average the pseudo-gradients through :attr:`state`, move
         the parameters back to the anchor and step them with the outer optimiser."""
-        saved = [p.grad for p in self.params]
-        for p, anchor in zip(self.params, self._anchor):
-            p.grad = (anchor - p.float()).to(p.dtype)  # the pseudo-gradient: a descent
-            p.copy_(anchor)
-        self.state.reduce_gradients(self.params)
-        self.outer.step()
-        for p, anchor, grad in zip(self.params, self._anchor, saved):
-            anchor.copy_(p)
-            p.grad = grad  # the inner loop's gradients as they were
+        index = list(range(len(self.params)))
+        keys, grads = self._pseudo_gradients(index)
+        self.state.transport().run(self.state.reduce(keys, grads))
+        self._outer_step(index, grads)
         self.rounds += 1
         self.state.end_step(self.inner)  # the schedule that matters is the inner one
+
+    def _pseudo_gradients(self, index: list[int]) -> tuple[list[str], list[torch.Tensor]]:
+        """The keys and pseudo-gradients (``anchor - current``, a descent direction) of
+        the parameters at ``index``, in tensors of their own."""
+        params = [self.params[i] for i in index]
+        grads = [(self._anchor[i] - p.detach().float()).to(p.dtype)
+                 for i, p in zip(index, params)]  # fmt: skip
+        return self.state.params.keys(params), grads
+
+    @torch.no_grad()
+    def _outer_step(self, index: list[int], averaged: list[torch.Tensor]) -> None:
+        """Move the parameters at ``index`` back to their anchor, step them with the outer
+        optimiser on their ``averaged`` pseudo-gradients, and make the result their new
+        anchor; the others and every parameter's ``grad`` stay as they were."""
+        saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None  # the outer optimiser steps only the parameters given a grad
+        for i, average in zip(index, averaged):
+            self.params[i].copy_(self._anchor[i])
+            self.params[i].grad = average
+        self.outer.step()
+        for i in index:
+            self._anchor[i].copy_(self.params[i])
+        for p, grad in zip(self.params, saved):
+            p.grad = grad  # the inner loop's gradients as they were
 
     @contextlib.contextmanager
     def synced(self) -> Iterator[None]:
@@ -265,7 +291,7 @@ class DiLoCo:
         """Restore a :meth:`state_dict`; a missing key, an anchor of other shapes, an outer
         optimiser state of other param groups or a bad Accordion state is a
         ``ValueError``, and leaves everything as it was."""
-        check_state_keys(saved, _STATE_KEYS, "DiLoCo")
+        check_state_keys(saved, self._state_keys, type(self).__name__)
         anchor = saved["anchor"]
         shapes = [tuple(a.shape) for a in self._anchor]
         if not isinstance(anchor, list | tuple) or [tuple(a.shape) for a in anchor] != shapes:

@@ -3,6 +3,8 @@ model, DDP with the strategy's hook, optimiser, traffic count and logs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -10,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..batch import BatchSizeController
 from ..controller import Controller
 from ..diloco import OUTER_LR, OUTER_MOMENTUM, WARMUP_WINDOW, DiLoCo
+from ..diloco_streaming import StreamingDiLoCo
 from ..models import get_model
 from ..policy import PaperRule
 from .attach import attach_strategy
@@ -53,11 +56,15 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
     if strategy.sync_every is not None:
-        diloco = DiLoCo(model, optimizer, strategy.sync_every, state=state,
-                        outer_optimizer=make_outer_optimizer(strategy),
-                        warmup_steps=strategy.warmup_steps,
-                        warmup_state=_warmup_state(strategy, model, config.seed),
-                        warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config))
+        streaming: dict[str, Any] = ({"fragments": strategy.fragments, "delay": strategy.delay,
+                                      "mix": strategy.mix} if strategy.streams else {})  # fmt: skip
+        kind = StreamingDiLoCo if strategy.streams else DiLoCo
+        diloco = kind(model, optimizer, strategy.sync_every, state=state,
+                      outer_optimizer=make_outer_optimizer(strategy),
+                      warmup_steps=strategy.warmup_steps,
+                      warmup_state=_warmup_state(strategy, model, config.seed),
+                      warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config),
+                      **streaming)  # fmt: skip
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,

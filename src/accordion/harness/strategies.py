@@ -49,7 +49,10 @@ momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+st
 or compressed by ``warmup-with=NAME/LEVEL``, e.g. ``int/4`` or ``powersgd/4``) before the
 first round; ``warmup-eta=X`` lets the paper's norm test end it sooner, at the first
 window (the run's ``interval`` steps; 25 when it counts epochs) whose gradient norm
-changed by less than X.
+changed by less than X. ``fragments=F`` streams the sync (:class:`accordion.StreamingDiLoCo`):
+F fragments of the model in turn, one every H / F steps (H a multiple of F); ``delay=T``
+overlaps each with the next T inner steps (T < H / F), and ``mix=A`` keeps A of the
+worker's own parameters when it lands, e.g. ``diloco:10:fragments=2:delay=1+static:int:2``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ FORMATS = (
     "batch:SMALL,LARGE",
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
-    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]",
+    "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
+    "[:fragments=F][:delay=T][:mix=A]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -123,6 +127,14 @@ class Strategy:
     warmup_steps: int = 0  # DiLoCo's data-parallel steps before the first round
     warmup_with: str | None = None  # their compressor, a mixed rung "int/4" (None: dense)
     warmup_eta: float | None = None  # the norm test that may end it sooner (None: fixed)
+    fragments: int = 1  # Streaming DiLoCo's fragments, synced in turn (1: all at once)
+    delay: int = 0  # inner steps each fragment's average overlaps
+    mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
+
+    @property
+    def streams(self) -> bool:
+        """Whether the DiLoCo sync is streamed (:class:`accordion.StreamingDiLoCo`)."""
+        return self.fragments > 1 or self.delay > 0 or self.mix > 0
 
     @property
     def mild(self) -> Any:
@@ -232,7 +244,18 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
     if comm.family not in ("dense", "static", "accordion") or comm.auto:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
                          "accordion strategy (without :auto)")  # fmt: skip
+    _check_streaming(int(h), found.get("fragments", 1), found.get("delay", 0), whole)
     return dataclasses.replace(comm, text=whole, sync_every=int(h), **found)
+
+
+def _check_streaming(h: int, fragments: int, delay: int, whole: str) -> None:
+    """One fragment lands every H / F steps, and lands before the next one starts."""
+    if h % fragments:
+        raise ValueError(f"strategy {whole!r}: fragments={fragments} must divide H={h} (one "
+                         "fragment lands every H / fragments steps)")  # fmt: skip
+    if delay >= h // fragments:
+        raise ValueError(f"strategy {whole!r}: delay={delay} must be below H / fragments = "
+                         f"{h // fragments} (a fragment lands before the next starts)")  # fmt: skip
 
 
 #: DiLoCo's options after H: name -> (Strategy field, parse, what is allowed).
@@ -244,6 +267,10 @@ _DILOCO_OPTIONS = {
                     "as a mixed ladder's rung reads it: int/4, powersgd/4, half/bf16"),
     "warmup-eta": ("warmup_eta", float, "the norm test's threshold that may end the warm-up "
                    "sooner, > 0"),
+    "fragments": ("fragments", int, "fragments synced in turn, an int >= 1 dividing H"),
+    "delay": ("delay", int, "inner steps each fragment's average overlaps, an int in "
+              "[0, H / fragments)"),
+    "mix": ("mix", float, "the worker's own share when a fragment lands, in [0, 1]"),
 }
 
 
@@ -257,7 +284,8 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
         return None
     positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731 - one of the table's checks
     ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
-          "warmup-eta": positive}[key]  # fmt: skip
+          "warmup-eta": positive, "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
+          "mix": lambda v: 0 <= v <= 1}[key]  # fmt: skip
     return value if ok(value) else None
 
 

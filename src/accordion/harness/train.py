@@ -87,7 +87,8 @@ def train_run(
         result.batch_checks = run.controller.checks
     if run.diloco is not None:
         stats = run.diloco.stats()
-        result.diloco = {k: stats[k] for k in ("rounds", "warmup_steps_done", "warmup_checks")}
+        keys = ("rounds", "warmup_steps_done", "warmup_checks", "fragment_syncs")
+        result.diloco = {k: stats[k] for k in keys if k in stats}  # the last: streaming only
     run.logger.close(result.checks, result.calibration)
     return result
 
