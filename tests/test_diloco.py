@@ -506,3 +506,34 @@ def test_a_state_dict_with_or_without_a_warmup_test_must_match_the_diloco_loadin
     with pytest.raises(ValueError, match=r"warmup_end must be None or an int in \[1, 4\]"):
         tested.load_state_dict({**tested.state_dict(), "warmup_end": 5})
     assert tested.warmup_end is None and tested.warmup_test.checks == []
+
+
+# --- SparseLoCo's decayed error feedback ------------------------------------------------------
+
+
+def test_error_decay_carries_beta_times_the_last_residual_into_the_next_sync():
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    state = Controller(net, "int", levels=(2, 2), interval_unit="step")
+    diloco = DiLoCo(net, inner, 1, state=state, error_decay=0.5,
+                    outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))  # fmt: skip
+    _inner_step(net, inner, 0, 0)
+    diloco.step()  # one worker: the sync leaves the parameters at the anchor
+    anchor = [p.detach().clone() for p in net.parameters()]
+    residual = state.reducer.memory.get("0.weight").clone()
+    assert residual.abs().sum() > 0  # int2 leaves something unsent
+    _inner_step(net, inner, 0, 1)
+    moved = anchor[0] - net[0].weight.detach()  # the second pseudo-gradient
+    diloco.step()
+    sent = anchor[0] - net[0].weight.detach()  # plain SGD at lr 1 steps by what was sent
+    # what was compressed = sent + left over = the pseudo-gradient + beta * the residual
+    torch.testing.assert_close(sent + state.reducer.memory.get("0.weight"),
+                               moved + 0.5 * residual, rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("value, error", [(1.5, ValueError), (-0.1, ValueError),
+                                          ("0.9", TypeError)])  # fmt: skip
+def test_a_bad_error_decay_is_refused_naming_it(value, error):
+    net = _net()
+    with pytest.raises(error, match="error_decay"):
+        DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, error_decay=value)

@@ -97,6 +97,15 @@ def test_a_streamed_diloco_syncs_each_fragment_every_h_steps_sending_what_diloco
     assert "fragment_syncs" not in plain["diloco"]
 
 
+def test_a_diloco_ef_decay_reaches_the_syncs_error_feedback(tmp_path):
+    plain, dropped = "diloco:2+static:int:2", "diloco:2:ef-decay=0+static:int:2"
+    results = run_compare(TrainConfig(**TINY), [plain, dropped], seeds=1, workers=1,
+                          out=tmp_path)  # fmt: skip
+    losses = {r["strategy"]: [e["train_loss"] for e in r["epochs"]] for r in results["runs"]}
+    assert losses[plain][0] == losses[dropped][0]  # epoch 0: same until a residual is carried
+    assert losses[plain][-1] != losses[dropped][-1]
+
+
 def test_a_diloco_warmup_ended_by_its_norm_test_sends_less_and_records_where(tmp_path):
     # no learning-rate warm-up: a window in which the rate rises is never calm
     config = TrainConfig(**{**TINY, "interval_unit": "step", "interval": 2, "warmup_epochs": 0})

@@ -394,7 +394,7 @@ def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_p
                                     "warmup=4:warmup-with=int4", "warmup=4:warmup-eta=0",
                                     "warmup=4:warmup-eta=nan", "warmup=4:warmup-eta=x",
                                     "fragments=0", "fragments=1.5", "delay=-1", "mix=1.5",
-                                    "mix=x"])
+                                    "mix=x", "ef-decay=1.1", "ef-decay=-1"])
 def test_a_bad_diloco_option_is_a_value_error_naming_the_allowed_ones(option):
     with pytest.raises(ValueError, match=re.escape("takes the options lr=... (the outer")):
         parse_strategy(f"diloco:5:{option}")
@@ -432,6 +432,12 @@ def test_diloco_fragments_delay_and_mix_stream_the_sync():
     )  # fmt: skip
     plain = parse_strategy("diloco:10")
     assert (plain.fragments, plain.delay, plain.mix, plain.streams) == (1, 0, 0.0, False)
+
+
+def test_diloco_ef_decay_sets_the_syncs_decayed_error_feedback():
+    s = parse_strategy("diloco:10:lr=1:momentum=0:ef-decay=0.95+static:sparseloco:0.03")
+    assert (s.error_decay, s.outer_momentum, s.compressor) == (0.95, 0.0, "sparseloco")
+    assert parse_strategy("diloco:10").error_decay == 1.0
 
 
 @pytest.mark.parametrize("text, match", [

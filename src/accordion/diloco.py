@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._validate import check_int, check_state_keys
+from ._validate import check_int, check_number, check_state_keys
 from .controller import Controller
 from .diloco_warmup import WarmupEnd
 
@@ -109,6 +109,11 @@ class DiLoCo:
             at (a learning-rate warm-up) is never calm. The paper's 0.5 is the usual value.
         warmup_window: inner steps per window of that test (an int >= 1, default
             :data:`WARMUP_WINDOW`, 25).
+        error_decay: beta, the factor on ``state``'s error-feedback memory of a tensor
+            before each of its syncs, a float in ``[0, 1]``: what a sync compresses is the
+            pseudo-gradient plus beta times what the last one left unsent (SparseLoCo's
+            decayed error feedback, Sarfi et al. 2025, used with a plain outer step).
+            Default 1: plain error feedback.
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
     step is collective, and so is each warm-up step.
@@ -121,7 +126,7 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                  | None = None, warmup_steps: int = 0,
                  warmup_state: Controller | None = None, warmup_eta: float | None = None,
-                 warmup_window: int = WARMUP_WINDOW):  # fmt: skip
+                 warmup_window: int = WARMUP_WINDOW, error_decay: float = 1.0):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
         ddp = model if isinstance(model, _DDP) else None
         module = model if ddp is None else ddp.module
@@ -148,6 +153,8 @@ class DiLoCo:
         if warmup_state is not None and warmup_state is self.state:
             raise ValueError("warmup_state must be another state than state: gradients and "
                              "pseudo-gradients need their own error feedback")  # fmt: skip
+        #: The factor on the error-feedback memory before each sync (1: plain feedback).
+        self.error_decay = check_number("error_decay", error_decay, minimum=0, maximum=1)
         build = default_outer_optimizer if outer_optimizer is None else outer_optimizer
         if not callable(build):
             raise TypeError(f"outer_optimizer must be a callable or None, got {build!r}")
@@ -229,7 +236,13 @@ class DiLoCo:
         params = [self.params[i] for i in index]
         grads = [(self._anchor[i] - p.detach().float()).to(p.dtype)
                  for i, p in zip(index, params)]  # fmt: skip
-        return self.state.params.keys(params), grads
+        keys = self.state.params.keys(params)
+        if self.error_decay != 1.0:
+            for key in keys:  # the reducer adds the decayed memory to the pseudo-gradient
+                memory = self.state.reducer.memory.get(key)
+                if memory is not None:
+                    memory.mul_(self.error_decay)
+        return keys, grads
 
     @torch.no_grad()
     def _outer_step(self, index: list[int], averaged: list[torch.Tensor]) -> None:

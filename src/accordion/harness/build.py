@@ -64,7 +64,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
                       warmup_steps=strategy.warmup_steps,
                       warmup_state=_warmup_state(strategy, model, config.seed),
                       warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config),
-                      **streaming)  # fmt: skip
+                      error_decay=strategy.error_decay, **streaming)  # fmt: skip
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,

@@ -53,6 +53,8 @@ changed by less than X. ``fragments=F`` streams the sync (:class:`accordion.Stre
 F fragments of the model in turn, one every H / F steps (H a multiple of F); ``delay=T``
 overlaps each with the next T inner steps (T < H / F), and ``mix=A`` keeps A of the
 worker's own parameters when it lands, e.g. ``diloco:10:fragments=2:delay=1+static:int:2``.
+``ef-decay=B`` decays the syncs' error-feedback memory by B before each (SparseLoCo's),
+e.g. ``diloco:10:lr=1:momentum=0:ef-decay=0.95+static:sparseloco:0.03``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ FORMATS = (
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
     "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
-    "[:fragments=F][:delay=T][:mix=A]",
+    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -130,6 +132,7 @@ class Strategy:
     fragments: int = 1  # Streaming DiLoCo's fragments, synced in turn (1: all at once)
     delay: int = 0  # inner steps each fragment's average overlaps
     mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
+    error_decay: float = 1.0  # the factor on the syncs' error-feedback memory (1: plain)
 
     @property
     def streams(self) -> bool:
@@ -271,6 +274,8 @@ _DILOCO_OPTIONS = {
     "delay": ("delay", int, "inner steps each fragment's average overlaps, an int in "
               "[0, H / fragments)"),
     "mix": ("mix", float, "the worker's own share when a fragment lands, in [0, 1]"),
+    "ef-decay": ("error_decay", float, "the factor on the error-feedback memory before each "
+                 "sync, in [0, 1] (SparseLoCo's decayed error feedback)"),
 }
 
 
@@ -285,7 +290,7 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
     positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731 - one of the table's checks
     ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
           "warmup-eta": positive, "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
-          "mix": lambda v: 0 <= v <= 1}[key]  # fmt: skip
+          "mix": lambda v: 0 <= v <= 1, "ef-decay": lambda v: 0 <= v <= 1}[key]  # fmt: skip
     return value if ok(value) else None
 
 
