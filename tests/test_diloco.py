@@ -10,28 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import diloco_parts
 from accordion import Controller, DiLoCo
 from accordion.compress.transport import LocalTransport
 from accordion.diloco import OUTER_LR, OUTER_MOMENTUM
 from accordion.diloco_warmup import WarmupEnd
 from distributed import run_processes
 
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)  # the same start on every rank
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)  # each rank its own data
-    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-
-
-def _inner_step(net: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
-    x, y = _batch(rank, step)
-    optimizer.zero_grad()
-    nn.functional.mse_loss(net(x), y).backward()
-    optimizer.step()
+_net, _batch, _inner_step = diloco_parts.net, diloco_parts.batch, diloco_parts.inner_step
 
 
 def _flat(net: nn.Module) -> torch.Tensor:
