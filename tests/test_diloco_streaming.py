@@ -249,8 +249,8 @@ def _streaming(**kwargs) -> StreamingDiLoCo:
     ({"sync_every": 6, "fragments": 5}, ValueError, "at most the 4"),
     ({"sync_every": 6, "fragments": 2, "delay": 3}, ValueError, "delay must be below .* 3"),
     ({"sync_every": 6, "fragments": 2, "delay": -1}, ValueError, "delay"),
-    ({"sync_every": 6, "fragments": 2, "mix": 1.5}, ValueError, "mix must be in"),
-    ({"sync_every": 6, "fragments": 2, "mix": "half"}, TypeError, "mix must be a float"),
+    ({"sync_every": 6, "fragments": 2, "mix": 1.5}, ValueError, "mix must be >= 0 and <= 1"),
+    ({"sync_every": 6, "fragments": 2, "mix": "half"}, TypeError, "mix must be a number"),
     ({"sync_every": 6, "fragments": "two"}, TypeError, "fragments must be an int"),
 ])  # fmt: skip
 def test_a_bad_argument_is_refused_naming_it(kwargs, error, match):

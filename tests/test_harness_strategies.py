@@ -441,9 +441,12 @@ def test_diloco_ef_decay_sets_the_syncs_decayed_error_feedback():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("diloco:10:fragments=3", "fragments=3 must divide H=10"),
-    ("diloco:10:fragments=2:delay=5", "delay=5 must be below H / fragments = 5"),
-    ("diloco:10:delay=10", "delay=10 must be below H / fragments = 10"),
+    ("diloco:10:fragments=3", "(H=10, fragments=3, delay=0): sync_every must be a multiple "
+                              "of the 3 fragments"),
+    ("diloco:10:fragments=2:delay=5", "(H=10, fragments=2, delay=5): delay must be below "
+                                      "sync_every / fragments = 5"),
+    ("diloco:10:delay=10", "(H=10, fragments=1, delay=10): delay must be below "
+                           "sync_every / fragments = 10"),
 ])  # fmt: skip
 def test_a_streamed_diloco_schedule_that_cannot_run_is_a_value_error_naming_it(text, match):
     with pytest.raises(ValueError, match=re.escape(match)):

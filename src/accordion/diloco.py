@@ -232,7 +232,8 @@ class DiLoCo:
 
     def _pseudo_gradients(self, index: list[int]) -> tuple[list[str], list[torch.Tensor]]:
         """The keys and pseudo-gradients (``anchor - current``, a descent direction) of
-        the parameters at ``index``, in tensors of their own."""
+        the parameters at ``index``, in tensors of their own; with ``error_decay`` below
+        1 their error-feedback memory is decayed here, just before the sync adds it."""
         params = [self.params[i] for i in index]
         grads = [(self._anchor[i] - p.detach().float()).to(p.dtype)
                  for i, p in zip(index, params)]  # fmt: skip

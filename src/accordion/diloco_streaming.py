@@ -36,8 +36,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._validate import check_int
+from ._validate import check_int, check_number
 from .diloco import _STATE_KEYS, DiLoCo
+
+
+def fragment_gap(sync_every: int, fragments: int, delay: int) -> int:
+    """The inner steps between two fragments' landings, ``sync_every / fragments``;
+    ``ValueError`` unless ``fragments`` divides ``sync_every`` and ``delay`` is below the
+    gap (a fragment lands before the next starts)."""
+    if sync_every % fragments:
+        raise ValueError(f"sync_every must be a multiple of the {fragments} fragments (one "
+                         f"lands every sync_every / fragments steps), got sync_every="
+                         f"{sync_every}")  # fmt: skip
+    gap = sync_every // fragments
+    if delay >= gap:
+        raise ValueError(f"delay must be below sync_every / fragments = {gap} (a fragment "
+                         f"lands before the next starts), got {delay}")  # fmt: skip
+    return gap
 
 
 def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
@@ -104,26 +119,15 @@ class StreamingDiLoCo(DiLoCo):
         super().__init__(model, inner_optimizer, sync_every, **kwargs)
         #: Each fragment's indices into :attr:`params`.
         self.fragments = self._checked_fragments(fragments)
-        if self.sync_every % len(self.fragments):
-            raise ValueError(f"sync_every must be a multiple of the {len(self.fragments)} "
-                             f"fragments (one lands every sync_every / fragments steps), "
-                             f"got sync_every={self.sync_every}")  # fmt: skip
-        #: Inner steps between two fragments' landings (H / F).
-        self.gap = self.sync_every // len(self.fragments)
         self.delay = check_int("delay", delay, 0)
-        if self.delay >= self.gap:
-            raise ValueError(f"delay must be below sync_every / fragments = {self.gap} (a "
-                             f"fragment lands before the next starts), got {delay}")  # fmt: skip
-        if isinstance(mix, bool) or not isinstance(mix, int | float):
-            raise TypeError(f"mix must be a float in [0, 1], got {type(mix).__name__}")
-        if not 0.0 <= mix <= 1.0:
-            raise ValueError(f"mix must be in [0, 1], got {mix!r}")
-        self.mix = float(mix)
+        #: Inner steps between two fragments' landings (H / F).
+        self.gap = fragment_gap(self.sync_every, len(self.fragments), self.delay)
+        self.mix = check_number("mix", mix, minimum=0, maximum=1)
         self._pending: _Pending | None = None
 
     def _checked_fragments(self, fragments: Any) -> list[list[int]]:
         """``fragments`` as index lists into :attr:`params`, each in the model's order."""
-        if isinstance(fragments, bool) or isinstance(fragments, int):
+        if isinstance(fragments, int):  # a bool too: split_fragments refuses it
             return split_fragments([p.numel() for p in self.params], fragments)
         if not isinstance(fragments, Sequence) or isinstance(fragments, str):
             raise TypeError(f"fragments must be an int or a sequence of sequences of "
@@ -240,4 +244,4 @@ class StreamingDiLoCo(DiLoCo):
         return _Pending(fragment, [g.clone() for g in grads], None)
 
 
-__all__ = ["StreamingDiLoCo", "split_fragments"]
+__all__ = ["StreamingDiLoCo", "fragment_gap", "split_fragments"]

@@ -66,6 +66,7 @@ from typing import Any
 
 from ..compress import Compressor, compressing_names, compressor_class
 from ..compress.mixed import Mixed
+from ..diloco_streaming import fragment_gap
 from ..policy import RULES, Ladder
 from ..policy.audit import check_tau
 
@@ -252,13 +253,13 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
 
 
 def _check_streaming(h: int, fragments: int, delay: int, whole: str) -> None:
-    """One fragment lands every H / F steps, and lands before the next one starts."""
-    if h % fragments:
-        raise ValueError(f"strategy {whole!r}: fragments={fragments} must divide H={h} (one "
-                         "fragment lands every H / fragments steps)")  # fmt: skip
-    if delay >= h // fragments:
-        raise ValueError(f"strategy {whole!r}: delay={delay} must be below H / fragments = "
-                         f"{h // fragments} (a fragment lands before the next starts)")  # fmt: skip
+    """One fragment lands every H / F steps, and lands before the next one starts
+    (:func:`accordion.diloco_streaming.fragment_gap`, checked before any worker starts)."""
+    try:
+        fragment_gap(h, fragments, delay)
+    except ValueError as exc:
+        raise ValueError(f"strategy {whole!r} (H={h}, fragments={fragments}, delay={delay}): "
+                         f"{exc}") from None
 
 
 #: DiLoCo's options after H: name -> (Strategy field, parse, what is allowed).
