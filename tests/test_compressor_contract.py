@@ -173,7 +173,7 @@ def test_make_compressor_goes_through_build(monkeypatch) -> None:
 
 
 # top-k and the integer quantiser all-gather, so their bytes grow with the workers
-@pytest.mark.parametrize("name", [n for n in compressor_names() if n not in ("topk", "int")])
+@pytest.mark.parametrize("name", [n for n in compressor_names() if n not in ("topk", "int", "nq")])
 def test_a_compressor_without_a_break_even_describes_none(name: str) -> None:
     assert compressor_class(name).break_even([(1000, 512)], 8) is None
     assert break_even([(1000, 512)], name, 8) is None

@@ -1,10 +1,10 @@
 """Gradient compression in three composable parts, as in GRACE.
 
 * compressors (``Dense``, ``PowerSGD``, ``OneRoundPowerSGD``, ``TopK``,
-  ``HalfPrecision``, ``IntQuantizer``, ``SparseLoCo``, ``Mixed``: levels of several of
-  them on one ladder): what is sent, at a
-  level per tensor that may change at any step; each describes itself (levels, order,
-  the tensors it applies to, floats and bytes) and is found by name in one registry;
+  ``HalfPrecision``, ``IntQuantizer``, ``NormalQuantizer``, ``SparseLoCo``, ``Mixed``:
+  levels of several of them on one ladder): what is sent, at a level per tensor that
+  may change at any step; each describes itself (levels, order, the tensors it applies
+  to, floats and bytes) and is found by name in one registry;
 * memories (``ErrorFeedback``, ``NoMemory``): what was not sent, added to the next step;
 * transports (``TorchTransport``, ``SimulatedTransport``, ``LocalTransport``): who
   carries the collectives.
@@ -51,6 +51,7 @@ from .half import HalfPrecision
 from .powersgd1 import OneRoundPowerSGD
 from .mixed import Mixed
 from .quantize import IntQuantizer
+from .normalquant import NormalQuantizer
 from .sparseloco import SparseLoCo
 from .cost import BreakEvenDescription, CostDescription
 from .levels import LevelLanguage
@@ -86,6 +87,7 @@ __all__ = [
     "LocalTransport",
     "Mixed",
     "NoMemory",
+    "NormalQuantizer",
     "OneRoundPowerSGD",
     "PowerSGD",
     "Reducer",

@@ -26,7 +26,7 @@ import math
 import numbers
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -204,6 +204,8 @@ class IntQuantizer(Compressor):
     level_help = "a bit width: 8, 4 or 2"
     level_type = int
     title = "integer quantisation"
+    #: The bit widths (levels) of the class, mildest first.
+    bit_widths: ClassVar[tuple[int, ...]] = BITS
 
     def __init__(self, bits: int = 8):
         super().__init__(bits)
@@ -214,9 +216,10 @@ class IntQuantizer(Compressor):
         if isinstance(level, bool) or not isinstance(level, numbers.Integral):
             raise TypeError(f"an integer quantisation level must be {cls.level_help} (an int), "
                             f"got {level!r}")  # fmt: skip
-        if int(level) not in BITS:
+        if int(level) not in cls.bit_widths:
             raise ValueError(
-                f"an integer quantisation level must be one of {BITS} bits, got {level!r}"
+                f"an integer quantisation level must be one of {cls.bit_widths} bits, "
+                f"got {level!r}"
             )
         return int(level)
 
@@ -265,20 +268,21 @@ class IntQuantizer(Compressor):
         check_int("element_size", element_size, 1)
         dims = [tuple(int(d) for d in s) for s in shapes]
         dense = sum(math.prod(s) for s in dims) * element_size
+        widths = cls.bit_widths
         if not dense:
-            return QuantBreakEven(world_size, element_size, BITS, None)
+            return QuantBreakEven(world_size, element_size, widths, None)
         sent = [sum(m.nbytes for s in dims for m in cls.messages(s, b, element_size))
-                for b in BITS]  # fmt: skip
-        return QuantBreakEven(world_size, element_size, BITS, tuple(2 * dense / n for n in sent))
+                for b in widths]  # fmt: skip
+        return QuantBreakEven(world_size, element_size, widths, tuple(2 * dense / n for n in sent))
 
     @classmethod
     def break_even_text(cls, entry: Mapping[str, Any], labels: Sequence[str]) -> str:
         """Each bit width's break-even worker count and each level's bytes against dense."""
         w = entry["workers"]
-        head = f"integer quantisation break-even at {w} worker{'s' if w != 1 else ''}: "
+        head = f"{cls.title} break-even at {w} worker{'s' if w != 1 else ''}: "
         if entry["max_workers"] is None:
-            return head + "none (integer quantisation compresses no tensor)"
-        points = ", ".join(f"int{b} below {n:.3g} workers"
+            return head + f"none ({cls.title} compresses no tensor)"
+        points = ", ".join(f"{cls.label(b)} below {n:.3g} workers"
                            for b, n in zip(entry["bits"], entry["max_workers"]))  # fmt: skip
         ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
         levels = ", ".join(f"{label} {ratio}" for label, ratio in zip(labels, ratios))
@@ -302,9 +306,8 @@ class IntQuantizer(Compressor):
         bits = [self.level(key) for key in keys]
         payload, scales = [], []
         for m, b in zip(tensors, bits):
-            values, s = quantize(m, b)
-            m.sub_(dequantize(values, s, m.shape, wide_dtype(m.dtype)).view(m.shape))  # residual
-            payload.append(pack(values, b))
+            packed, s = self.encode(m, b)  # m becomes its residual
+            payload.append(packed)
             scales.append(s)
         sent, sent_scales = torch.cat(payload), torch.cat(scales)
         if sent.numel() or sent_scales.numel():
@@ -314,11 +317,11 @@ class IntQuantizer(Compressor):
         results: Result = []
         offset = scale_offset = 0
         for i, (m, b) in enumerate(zip(tensors, bits)):
-            numel, nbytes, nscales = m.numel(), packed_bytes(m.numel(), b), block_count(m.shape)
-            values = unpack(gathered[:, offset : offset + nbytes], b, numel)
-            s = gathered_scales[:, scale_offset : scale_offset + nscales]
-            average = _mean_of_workers(dequantize(values, s, m.shape, wide_dtype(m.dtype)))
-            average = average.view(m.shape)
+            nbytes, nscales = packed_bytes(m.numel(), b), block_count(m.shape)
+            each = self.decode(gathered[:, offset : offset + nbytes],
+                               gathered_scales[:, scale_offset : scale_offset + nscales],
+                               m.shape, b, wide_dtype(m.dtype))  # fmt: skip
+            average = _mean_of_workers(each).view(m.shape)
             if out is None:
                 average = average.to(m.dtype)
             else:
@@ -326,6 +329,22 @@ class IntQuantizer(Compressor):
             results.append((average, m))
             offset, scale_offset = offset + nbytes, scale_offset + nscales
         return results
+
+    @classmethod
+    def encode(cls, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed integers (``uint8``, :func:`packed_bytes`) and the fp16 scales
+        (:func:`block_count`) that send ``m`` at ``bits`` bits; ``m`` becomes its residual,
+        ``m`` less what is sent (in place)."""
+        values, s = quantize(m, bits)
+        m.sub_(dequantize(values, s, m.shape, wide_dtype(m.dtype)).view(m.shape))
+        return pack(values, bits), s
+
+    @classmethod
+    def decode(cls, packed: torch.Tensor, scales: torch.Tensor, shape: Sequence[int],
+               bits: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """The tensors that ``packed`` (``[W, packed_bytes]``) and ``scales`` (``[W,
+        blocks]``) send, one row per worker: ``[W, numel]`` in ``dtype``."""
+        return dequantize(unpack(packed, bits, math.prod(shape)), scales, shape, dtype)
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
