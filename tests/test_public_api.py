@@ -16,6 +16,7 @@ import accordion.policy
 #: The names a user needs, as the module docstring documents them.
 DOCUMENTED = [
     "AccordionState",
+    "AdamNoiseCorrection",
     "AuditRule",
     "Checkpointer",
     "Controller",

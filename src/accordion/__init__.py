@@ -3,7 +3,8 @@
 Implements Accordion (Agarwal et al., MLSys 2021): compress mildly in critical learning
 regimes and aggressively elsewhere. At the top level: the DDP hook (``AccordionState``,
 ``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, rare
-compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, the rules
+compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, Adam's noise correction
+``AdamNoiseCorrection``, the rules
 and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Ladder``,
 ``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
 (``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
@@ -14,6 +15,7 @@ and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Lad
 * ``accordion.diloco`` -- DiLoCo: inner steps alone, compressed outer steps;
 * ``accordion.diloco_streaming`` -- Streaming DiLoCo: fragments synced in turn, overlapped;
 * ``accordion.controller`` -- the parts of Accordion for one model, joined;
+* ``accordion.adam_noise`` -- Adam's second moment corrected for compression noise;
 * ``accordion.compress`` -- compressors, error-feedback memory and transports;
 * ``accordion.policy`` -- the rules, ladders and schedules of decisions (pure logic);
 * ``accordion.statistic`` / ``accordion.statistics`` -- what a rule decides from;
@@ -43,6 +45,7 @@ import importlib
 from types import ModuleType
 
 from ._version import __version__
+from .adam_noise import AdamNoiseCorrection
 from .calibration import calibrate
 from .checkpoint import Checkpointer
 from .compress import compressor_names, make_compressor
@@ -60,6 +63,7 @@ _LAZY_SUBMODULES = ("batch", "cli", "integrations", "models")
 
 __all__ = [
     "AccordionState",
+    "AdamNoiseCorrection",
     "AuditRule",
     "Checkpointer",
     "Controller",

@@ -199,11 +199,12 @@ class Controller:
         self._observe(keys, grads, transport, dense=audit)
         if last and self.interval_unit == "epoch":
             self.step += 1
+        reducer = self.reducer
         if audit:
+            reducer.noise.forget(keys)  # an audited step goes dense: no error to correct
             return audited_exchange(keys, grads, buffer, world, self.rule.measured,
                                     self._layers().compressed(), self.ladder, self._options)
-        reducer = self.reducer
-        if buffer is not None and not any(
+        if buffer is not None and not reducer.noise.on and not any(
             reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
             for k, g in zip(keys, grads)
         ):  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
@@ -352,6 +353,7 @@ class Controller:
         world, rank = world_and_rank(self.process_group)
         parts = checkpoint_format.read(state, world, rank if world > 1 else 0, self.config(),
                                        self.params, self._new_reducer, self.ladder, self.rule)
+        parts.reducer.noise.on = self.reducer.noise.on  # Adam's correction reads on
         self.reducer, self.ledger = parts.reducer, parts.ledger
         self._statistic.restart(parts.sums)  # "sharded": dealt out again at the next step
         self.decider.restore(parts.rungs, parts.counters)

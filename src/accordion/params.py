@@ -53,6 +53,10 @@ class ParameterTable:
         self.check_expected()
         return renamed
 
+    def key_of(self, param: torch.Tensor) -> str | None:
+        """``param``'s key, or ``None`` if it has none yet (nothing is registered)."""
+        return self._names.get(id(param))
+
     def keys(self, params: Sequence[torch.Tensor]) -> list[str]:
         """The keys of ``params``, naming unknown ones lazily."""
         keys = []

@@ -159,6 +159,15 @@ class Compressor(LevelLanguage, CostDescription):
     def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
         """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
 
+    def residual_variance(self, key: Hashable, previous: bool = False) -> torch.Tensor | None:
+        """Per element of ``key``'s tensor, the expected square of its residual (what the
+        last exchange did not send), summed over the workers: the same on every rank,
+        computed from what they all received; with ``previous``, the exchange before the
+        last. ``None`` where the compressor has no model of its error (the default), or
+        the key was not sent through it. Adam's noise correction reads it
+        (:class:`~accordion.adam_noise.AdamNoiseCorrection`)."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """Levels (and subclasses' factors) as tensors and plain values."""
         return {

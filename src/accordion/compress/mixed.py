@@ -73,6 +73,8 @@ class Mixed(Compressor):
         super().__init__(level)
         self._options = dict(options)
         self._parts: dict[str, Compressor] = {}
+        # per key: the part that sent it at its last exchange, and at the one before
+        self._senders: dict[Hashable, tuple[str, str | None]] = {}
 
     @classmethod
     def _construct(cls, level: Any, options: Mapping[str, Any]) -> Mixed:
@@ -177,6 +179,8 @@ class Mixed(Compressor):
             part = self.part(name)
             for i in ix:
                 part.set_level(split_level(self.level(keys[i]))[1], [keys[i]])
+                last = self._senders.get(keys[i])
+                self._senders[keys[i]] = (name, None if last is None else last[0])
             targets = None if out is None else [out[i] for i in ix]
             exchanges.append(
                 part.exchange([keys[i] for i in ix], [tensors[i] for i in ix], world_size, targets)
@@ -192,6 +196,21 @@ class Mixed(Compressor):
         super().rename(old, new)
         for part in self._parts.values():
             part.rename(old, new)
+        if old in self._senders:
+            self._senders[new] = self._senders.pop(old)
+
+    def residual_variance(self, key: Hashable, previous: bool = False) -> torch.Tensor | None:
+        """The residual variance of the part that sent ``key`` at that exchange."""
+        senders = self._senders.get(key)
+        if senders is None:
+            return None
+        last, before = senders
+        if not previous:
+            return self._parts[last].residual_variance(key)
+        if before is None:
+            return None
+        # the part that sent it before: its own last exchange of the key, if it changed
+        return self._parts[before].residual_variance(key, previous=before == last)
 
     def reset(self, keys: Iterable[Hashable]) -> None:
         keys = list(keys)

@@ -43,6 +43,8 @@ from .quantize import (
 #: Max's optimal step of a uniform quantiser with ``2**bits`` levels for a unit
 #: Gaussian (J. Max, "Quantizing for minimum distortion", 1960, Table II), per bit width.
 STEPS = {4: 0.3352, 3: 0.5860, 2: 0.9957, 1: 1.5958}
+#: Max's mean squared error of that quantiser for a unit Gaussian, clipping included.
+MSE = {4: 0.01154, 3: 0.03744, 2: 0.1188, 1: 0.3634}
 #: The bit widths (levels), mildest first.
 BITS = (4, 3, 2, 1)
 
@@ -133,6 +135,12 @@ class NormalQuantizer(IntQuantizer):
     @classmethod
     def label(cls, level: Any) -> str:
         return f"nq{cls.check_level(level)}"
+
+    @classmethod
+    def error_factor(cls, bits: int) -> float:
+        """Max's mean squared error of the grid for a unit Gaussian (:data:`MSE`): the
+        expected square of an element's error (clipping included) over its block's RMS."""
+        return MSE[bits]
 
     @classmethod
     def encode(cls, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -209,6 +209,48 @@ class IntQuantizer(Compressor):
 
     def __init__(self, bits: int = 8):
         super().__init__(bits)
+        # per key: the workers' summed residual variance per block, last exchange and the
+        # one before (residual_variance), and the tensor's shape
+        self._variance: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
+                                             tuple[int, ...]]] = {}  # fmt: skip
+
+    @classmethod
+    def error_factor(cls, bits: int) -> float:
+        """The expected square of one element's rounding error over its block's squared
+        scale: 1/12, the variance of a uniform error over one step (the scale)."""
+        return 1 / 12
+
+    def residual_variance(self, key: Hashable, previous: bool = False) -> torch.Tensor | None:
+        """Per element, ``error_factor(bits) * scale**2`` of its block summed over the
+        workers, from the scales every rank received (see :class:`Compressor`)."""
+        entry = self._variance.get(key)
+        if entry is None:
+            return None
+        blocks, shape = entry[1] if previous else entry[0], entry[2]
+        if blocks is None:
+            return None
+        per = _blocked(torch.zeros(math.prod(shape), dtype=blocks.dtype, device=blocks.device),
+                       shape)  # fmt: skip
+        per += blocks.view(*per.shape[:-1], 1)
+        return _unblocked(per, shape).view(shape)
+
+    def reset(self, keys: Iterable[Hashable]) -> None:
+        """Forget the residual variances of ``keys`` (their memory was reset)."""
+        for key in keys:
+            self._variance.pop(key, None)
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        super().rename(old, new)
+        if old in self._variance:
+            self._variance[new] = self._variance.pop(old)
+
+    def _record_variance(self, key: Hashable, scales: torch.Tensor, bits: int,
+                         shape: tuple[int, ...]) -> None:  # fmt: skip
+        """Keep ``key``'s summed residual variance per block from the gathered ``scales``
+        (``[W, blocks]``), and the last one as the previous."""
+        summed = scales.to(torch.float32).square().sum(0).mul_(self.error_factor(bits))
+        last = self._variance.get(key)
+        self._variance[key] = (summed, None if last is None else last[0], shape)
 
     @classmethod
     def check_level(cls, level: Any) -> int:
@@ -321,6 +363,8 @@ class IntQuantizer(Compressor):
             each = self.decode(gathered[:, offset : offset + nbytes],
                                gathered_scales[:, scale_offset : scale_offset + nscales],
                                m.shape, b, wide_dtype(m.dtype))  # fmt: skip
+            own = gathered_scales[:, scale_offset : scale_offset + nscales]
+            self._record_variance(keys[i], own, b, tuple(m.shape))
             average = _mean_of_workers(each).view(m.shape)
             if out is None:
                 average = average.to(m.dtype)

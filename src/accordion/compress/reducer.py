@@ -11,6 +11,7 @@ import torch
 from .._validate import check_state_keys
 from .base import Compressor, Dense
 from .memory import ErrorFeedback, NoMemory
+from .noise import NoiseTracker
 from .transport import AllReduce, Exchange, parallel
 from .wire import check_world_size
 
@@ -72,6 +73,8 @@ class Reducer:
         self._next_slot = 0
         # per (shape, level): whether the level pays for the shape (Compressor.pays)
         self._paying: dict[tuple[tuple[int, ...], Any], bool] = {}
+        #: What the exchanges tell of their averages' error (:class:`NoiseTracker`).
+        self.noise = NoiseTracker()
 
     def compresses(self, grad: torch.Tensor, key: Hashable = None) -> bool:
         """Whether ``grad`` (of ``key``) is the compressor's: it applies to the shape and
@@ -111,6 +114,7 @@ class Reducer:
         """Move ``old``'s compressor state, memory and dense flag to the key ``new``."""
         self.compressor.rename(old, new)
         self.memory.rename(old, new)
+        self.noise.rename(old, new)
         if old in self._slots:
             self._slots[new] = self._slots.pop(old)
         if old in self.dense_keys:
@@ -167,7 +171,10 @@ class Reducer:
         exchanges, order, owed = self._start(keys, grads, world_size)
         received: list[torch.Tensor] = []
         results = yield from _recording(parallel(*exchanges), received)
-        return self._finish(keys, grads, order, results, received, owed)
+        finite, compressed = self._finish(keys, grads, order, results, received, owed)
+        if self.noise.on:
+            self.noise.record(keys, grads, compressed if finite else {}, world_size)
+        return finite
 
     def _start(self, keys, grads, world_size):
         """One exchange per part of the tensors; the parts' order; the dense keys whose
@@ -214,8 +221,9 @@ class Reducer:
                 inputs.append(self.memory.compensate(keys[i], grads[i]))
         return self._dense.exchange([keys[i] for i in ix], inputs, world_size)
 
-    def _finish(self, keys, grads, order, results, received, owed) -> bool:
-        """Keep the residuals (unless the step was not finite) and write the averages."""
+    def _finish(self, keys, grads, order, results, received, owed) -> tuple[bool, dict]:
+        """Keep the residuals (unless the step was not finite) and write the averages;
+        whether the step was finite, and the compressed keys' residuals."""
         outputs: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
         residuals: dict[Hashable, torch.Tensor | None] = {}
         for (compressed, ix), part in zip(order, results):
@@ -240,7 +248,7 @@ class Reducer:
         for g, out in zip(grads, outputs):
             if out.data_ptr() != g.data_ptr():  # compressed averages are in place already
                 g.detach().copy_(out)
-        return finite
+        return finite, residuals
 
     def _skip_non_finite(self, residuals: Iterable[Hashable]) -> None:
         residuals = list(residuals)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..adam_noise import AdamNoiseCorrection
 from ..batch import BatchSizeController
 from ..controller import Controller
 from ..diloco import OUTER_LR, OUTER_MOMENTUM, WARMUP_WINDOW, DiLoCo
@@ -53,6 +54,8 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
         state.calibrate(compute_s=compute_s)
     traffic = Traffic(strategy, model, state, world)
     optimizer = make_optimizer(config, model)
+    if strategy.adam_noise:
+        _correct_adam(config, optimizer, state)
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
     if strategy.sync_every is not None:
@@ -69,6 +72,19 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
                compute_s if config.measure_compute else None, diloco)  # fmt: skip
+
+
+def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
+                  state: Controller | None) -> AdamNoiseCorrection:  # fmt: skip
+    """Hook Adam's noise correction (the ``adam-noise`` suffix) onto ``optimizer``."""
+    if config.optimizer != "adamw" or state is None:
+        raise ValueError(f"strategy {config.strategy!r}: adam-noise corrects AdamW's second "
+                         f"moment: it needs --optimizer adamw, got "
+                         f"{config.optimizer!r}")  # fmt: skip
+    if config.checkpoint_dir is not None:
+        raise ValueError(f"strategy {config.strategy!r}: a run with adam-noise does not "
+                         "resume yet: drop --checkpoint-dir")  # fmt: skip
+    return AdamNoiseCorrection(optimizer, state)
 
 
 def make_outer_optimizer(strategy: Strategy):

@@ -16,6 +16,10 @@ reads it (:meth:`~accordion.compress.Compressor.parse_level`): a PowerSGD rank
 has two or more levels, each compressing at least as much as the one before
 (``accordion:powersgd:4,1``, ``accordion:powersgd:4,2,1``).
 
+An ``:adam-noise`` suffix on a static or Accordion strategy (``static:nq:2:adam-noise``,
+``--optimizer adamw``) corrects AdamW's second moment for the compression noise of the
+averages (:class:`accordion.AdamNoiseCorrection`).
+
 A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:auto``)
 turns the cost model on: before training the hook measures the link and the cost of
 compressing each tensor, and sends dense those for which compression does not pay.
@@ -75,6 +79,7 @@ FORMATS = (
     "static:COMPRESSOR:LEVEL",
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
+    "<static or accordion strategy>:adam-noise",
     "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay]",
     "torch-powersgd:R",
     "torch-fp16",
@@ -134,6 +139,7 @@ class Strategy:
     delay: int = 0  # inner steps each fragment's average overlaps
     mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
     error_decay: float = 1.0  # the factor on the syncs' error-feedback memory (1: plain)
+    adam_noise: bool = False  # AdamW's second moment corrected for compression noise
 
     @property
     def streams(self) -> bool:
@@ -245,9 +251,9 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
                          f"an int >= 1; got {h!r}")  # fmt: skip
     found = _diloco_options(options, whole)
     comm = _parse_communication(rest, whole)
-    if comm.family not in ("dense", "static", "accordion") or comm.auto:
+    if comm.family not in ("dense", "static", "accordion") or comm.auto or comm.adam_noise:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
-                         "accordion strategy (without :auto)")  # fmt: skip
+                         "accordion strategy (without :auto or :adam-noise)")  # fmt: skip
     _check_streaming(int(h), found.get("fragments", 1), found.get("delay", 0), whole)
     return dataclasses.replace(comm, text=whole, sync_every=int(h), **found)
 
@@ -343,7 +349,7 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if family == "static":
         if len(items) != 1:
             raise _malformed(whole)
-        if set(options) - {"auto"}:
+        if set(options) - {"auto", "adam_noise"}:
             raise ValueError(
                 f"strategy {text!r}: a rule, interval or block needs an accordion strategy"
             )
@@ -376,6 +382,8 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
         parsed: Any
         if item == "auto":
             key, parsed = "auto", True
+        elif item == "adam-noise":
+            key, parsed = "adam_noise", True
         elif item in RULES:
             key, parsed = "rule", item
         elif name in counts and value.isdigit() and int(value) >= 1:
@@ -386,7 +394,7 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "tau", float(value)
         else:
             raise ValueError(
-                f"strategy {whole!r}: {item!r} is not a suffix: use auto, a rule "
+                f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
                 "block=decay or tau=X (0 < X <= 1)"
             )

@@ -1,0 +1,177 @@
+"""Adam's second moment, corrected for the noise that compression adds.
+
+With error feedback a compressed average is the true one plus the workers' mean of
+``e_prev - e_now``, their residuals. Adam's first moment averages that noise away (the
+residuals telescope), but its second moment ``v`` adds the noise's variance to the
+gradient's: where compression errs, ``v`` grows and the step ``m / sqrt(v)`` shrinks.
+On the character transformer that is what 2-bit quantisation costs: the same run with
+``v`` fed the true average kept dense quality (``docs/dense-quality.md``).
+
+A quantiser knows its noise: the rounding error of a block is a known multiple of the
+block's scale squared, and every rank received every worker's scales
+(:meth:`~accordion.compress.Compressor.residual_variance`). So Adam can use
+
+    v_used = max(v - s, floor * v),   s = EMA_beta2(noise variance * c**2)
+
+where ``v`` is Adam's own second moment (kept as it is), ``s`` the same moving average of
+the noise variance, and ``c`` the factor by which clipping or a ``GradScaler`` scaled the
+gradient after it was averaged. The floor keeps a coordinate whose noise hides its
+gradient from taking an unbounded step. Every rank computes the same ``v_used``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .compress.memory import ErrorFeedback
+from .controller import Controller
+
+#: ``floor``'s default: ``v_used`` at least a quarter of ``v`` (a step at most 2x Adam's).
+DEFAULT_FLOOR = 0.25
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` whose update this
+    correction models: no AMSGrad, no maximize, no L2 decay added to the gradient."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"optimizer must be a torch.optim.Adam or AdamW, "
+                        f"got {type(optimizer).__name__}")  # fmt: skip
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay", False) for g in optimizer.param_groups
+    )
+    for i, group in enumerate(optimizer.param_groups):
+        for option in ("amsgrad", "maximize"):
+            if group.get(option):
+                raise ValueError(f"optimizer param_groups[{i}] has {option}=True: the noise "
+                                 "correction models Adam's plain second moment")  # fmt: skip
+        if group.get("weight_decay") and not decoupled:
+            raise ValueError(f"optimizer param_groups[{i}] adds weight_decay="
+                             f"{group['weight_decay']} to the gradient (Adam's L2 decay): use "
+                             "AdamW, whose decay leaves the second moment alone")  # fmt: skip
+
+
+def noise_of(state: Controller, param: torch.Tensor) -> tuple[torch.Tensor | None,
+                                                             torch.Tensor | None]:  # fmt: skip
+    """``(variance, square)`` of ``param``'s last averaged gradient under ``state``: per
+    element the expected square of its compression error (``None`` where it went dense or
+    its compressor has no model of its error: :meth:`NoiseTracker.variance`), and its
+    squared norm as averaged (``None`` if unknown)."""
+    key = state.params.key_of(param)
+    if key is None:
+        return None, None
+    reducer = state.reducer
+    feedback = isinstance(reducer.memory, ErrorFeedback)
+    return reducer.noise.variance(key, reducer.compressor, feedback), reducer.noise.square(key)
+
+
+class AdamNoiseCorrection:
+    """Correct ``optimizer``'s second moment for the compression noise of ``state``'s
+    averages (see the module), through the optimizer's step hooks.
+
+    Before each step, per parameter whose last average has a known error variance
+    (:func:`noise_of`; a quantiser's, ``"int"`` or ``"nq"``, also as a rung of
+    ``"mixed"``), Adam's ``exp_avg_sq`` is set so that its own update yields ``v_used``;
+    after the step it is set back to the plain moving average, which goes on as Adam
+    keeps it. Other parameters (dense, or sent by a compressor without an error model)
+    are left alone: with nothing compressed the optimizer steps exactly as without it.
+
+    Args:
+        optimizer: a ``torch.optim.AdamW`` (or ``Adam`` without L2 decay), not AMSGrad.
+        state: the :class:`~accordion.controller.Controller` (``AccordionState``) that
+            averages the optimizer's gradients; its noise tracking is turned on.
+        floor: ``v_used >= floor * v``, a number in (0, 1] (default 0.25).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, state: Controller,
+                 floor: float = DEFAULT_FLOOR):  # fmt: skip
+        _check_optimizer(optimizer)
+        if not isinstance(state, Controller):
+            raise TypeError(f"state must be an accordion Controller (AccordionState), "
+                            f"got {type(state).__name__}")  # fmt: skip
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0 < floor <= 1:
+            raise ValueError(f"floor must be a number in (0, 1], got {floor!r}")
+        self.optimizer: torch.optim.Optimizer = optimizer
+        self.state: Controller = state
+        self.floor: float = float(floor)
+        state.reducer.noise.on = True  # a loaded checkpoint's reducer keeps it on
+        self._noise: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: s
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Optimizer steps at which some parameter's second moment was corrected.
+        self.corrected_steps: int = 0
+        self._handles: list[Any] = [optimizer.register_step_pre_hook(self._before),
+                         optimizer.register_step_post_hook(self._after)]  # fmt: skip
+
+    def remove(self) -> None:
+        """Unhook: the optimizer steps as plain Adam from now on."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _noises(self) -> tuple[list[tuple[torch.Tensor, dict, torch.Tensor]], float]:
+        """``(parameter, group, variance)`` of each parameter with a known error, and
+        ``c**2``: the squared norm of the gradients now over that of the averages."""
+        noisy, now, averaged = [], [], []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                variance, square = noise_of(self.state, p)
+                if square is not None:  # clipping scales every averaged gradient alike
+                    now.append(grad.detach().float().square().sum())
+                    averaged.append(square)
+                if variance is not None:
+                    noisy.append((p, group, variance))
+        total = float(torch.stack(averaged).sum()) if noisy and averaged else 0.0
+        scale = float(torch.stack(now).sum()) / total if total > 0 else 1.0
+        return noisy, scale
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        noisy, scale = self._noises()
+        for p, group, variance in noisy:
+            beta2 = group["betas"][1]
+            s = self._noise.get(p)
+            if s is None:
+                s = self._noise[p] = torch.zeros_like(p, dtype=variance.dtype)
+            s.mul_(beta2).add_(variance, alpha=(1 - beta2) * scale)
+            v = optimizer.state.get(p, {}).get("exp_avg_sq")
+            if v is None:  # Adam's first step creates it: nothing to correct yet
+                continue
+            g2 = p.grad.detach().square().to(v.dtype)  # type: ignore[union-attr]
+            plain = v * beta2 + g2 * (1 - beta2)  # what Adam's update will make of v
+            used = torch.maximum(plain - s.to(v.dtype), plain * self.floor)
+            v.copy_((used - g2 * (1 - beta2)) / beta2)  # so that Adam's update gives `used`
+            self._pending.append((v, plain))
+        if self._pending:
+            self.corrected_steps += 1
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for v, plain in self._pending:
+            v.copy_(plain)  # Adam's own moving average goes on uncorrected
+        self._pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The noise averages ``s`` in the optimizer's parameter order (``None`` where a
+        parameter has none), the floor and the count of corrected steps."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"noise": [self._noise.get(p) for p in params], "floor": self.floor,
+                "corrected_steps": self.corrected_steps}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same optimizer's parameters; anything else
+        is a ``ValueError`` naming it, and changes nothing."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        noise = state.get("noise") if isinstance(state, Mapping) else None
+        if not isinstance(noise, list) or len(noise) != len(params):
+            raise ValueError(f"noise must be a list of {len(params)} entries, one per "
+                             "parameter of the optimizer")  # fmt: skip
+        for i, (p, s) in enumerate(zip(params, noise)):
+            if s is not None and (not isinstance(s, torch.Tensor) or s.shape != p.shape):
+                raise ValueError(f"noise[{i}] must be None or a tensor of shape "
+                                 f"{tuple(p.shape)}, got {s!r:.80}")  # fmt: skip
+        self._noise = {p: s.clone() for p, s in zip(params, noise) if s is not None}
+        self.corrected_steps = int(state.get("corrected_steps", 0))
