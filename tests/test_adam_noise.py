@@ -193,15 +193,33 @@ def test_the_step_uses_v_less_the_noise_average_floored_and_keeps_adams_own_v():
     assert g is not None and not torch.allclose(weight, plain.weight)  # it changed the step
 
 
+def test_a_step_without_an_exchange_since_the_last_is_not_corrected():
+    net, opt, state, fix = run_steps("nq", 2, correct=True, steps=2)
+    assert fix.corrected_steps == 1
+    for p, g in zip(net.parameters(), fixed_grads(5)):
+        p.grad = g.clone()  # no reduce_gradients: no exchange, no noise to correct for
+    opt.step()
+    assert fix.corrected_steps == 1
+    assert noise_of(state, net.weight) == (None, None)
+
+
 def test_clipping_after_the_average_scales_the_noise_by_the_clip_factor_squared():
-    _, _, _, loose = run_steps("nq", 2, correct=True, steps=1)
-    _, _, state, tight = run_steps("nq", 2, correct=True, steps=1, clip=0.1)
-    net_weight = next(iter(tight._noise))
-    variance, _ = noise_of(state, net_weight)
-    clipped = sum(float(p.grad.square().sum()) for p in state.params.module.parameters())
-    factor = clipped / sum(float(noise_of(state, p)[1]) for p in state.params.module.parameters())
+    torch.manual_seed(0)
+    net = nn.Linear(64, 8)
+    state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    fix = AdamNoiseCorrection(opt, state)
+    for p, g in zip(net.parameters(), fixed_grads(0)):
+        p.grad = g.clone()
+    state.reduce_gradients()
+    noise = [noise_of(state, p) for p in net.parameters()]
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+    clipped = sum(float(p.grad.square().sum()) for p in net.parameters())
+    factor = clipped / sum(float(square) for _, square in noise)
     assert factor < 0.1  # the clip really scaled the gradients down
-    torch.testing.assert_close(tight._noise[net_weight], 0.05 * variance * factor)
+    opt.step()
+    for p, (variance, _) in zip(net.parameters(), noise):
+        torch.testing.assert_close(fix._noise[p], 0.05 * variance * factor)
 
 
 def test_only_adam_and_adamw_without_amsgrad_or_l2_decay_are_accepted():

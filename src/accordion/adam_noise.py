@@ -132,6 +132,7 @@ class AdamNoiseCorrection:
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         noisy, scale = self._noises()
+        self.state.reducer.noise.consume()  # one exchange's noise corrects one step
         for p, group, variance in noisy:
             beta2 = group["betas"][1]
             s = self._noise.get(p)

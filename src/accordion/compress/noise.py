@@ -22,6 +22,7 @@ class NoiseTracker:
         self.on = False
         self._history: dict[Hashable, tuple[bool, bool]] = {}  # compressed now, before
         self._squares: dict[Hashable, torch.Tensor] = {}
+        self._fresh: set[Hashable] = set()  # recorded since the last consume()
         self._world = 1
 
     def record(self, keys: Sequence[Hashable], averages: Sequence[torch.Tensor],
@@ -32,6 +33,13 @@ class NoiseTracker:
         for key, average in zip(keys, averages):
             self._history[key] = (key in compressed, self._history.get(key, (False, False))[0])
             self._squares[key] = average.detach().float().square().sum()
+            self._fresh.add(key)
+
+    def consume(self) -> None:
+        """Mark every record read: until its next exchange a key has no variance and no
+        square, so that a step without an exchange (DiLoCo's after its warm-up) is not
+        corrected for an old one's noise."""
+        self._fresh.clear()
 
     def forget(self, keys: Iterable[Hashable]) -> None:
         """``keys`` were averaged dense outside the reducer (an audited step)."""
@@ -49,7 +57,7 @@ class NoiseTracker:
         ``V_now / W**2``. ``None`` where the last exchange sent it dense or the compressor
         has no model of its error."""
         now, before = self._history.get(key, (False, False))
-        current = compressor.residual_variance(key) if now else None
+        current = compressor.residual_variance(key) if now and key in self._fresh else None
         if current is None:
             return None
         previous = None
@@ -60,8 +68,9 @@ class NoiseTracker:
 
     def square(self, key: Hashable) -> torch.Tensor | None:
         """The squared norm of ``key``'s last average as the exchange wrote it (0-d),
-        before clipping or a ``GradScaler`` scaled it; ``None`` if not recorded."""
-        return self._squares.get(key)
+        before clipping or a ``GradScaler`` scaled it; ``None`` if not recorded since
+        the last :meth:`consume`."""
+        return self._squares.get(key) if key in self._fresh else None
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Move ``old``'s records to ``new``."""
@@ -69,3 +78,6 @@ class NoiseTracker:
             self._history[new] = self._history.pop(old)
         if old in self._squares:
             self._squares[new] = self._squares.pop(old)
+        if old in self._fresh:
+            self._fresh.discard(old)
+            self._fresh.add(new)

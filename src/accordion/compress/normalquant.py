@@ -25,7 +25,6 @@ a tensor of ``n`` elements sends ``ceil(n * bits / 8)`` bytes and 2 bytes per bl
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -119,18 +118,6 @@ class NormalQuantizer(IntQuantizer):
 
     def __init__(self, bits: int = 3):
         super().__init__(bits)
-
-    @classmethod
-    def check_level(cls, level: Any) -> int:
-        """A bit width: an int, one of :data:`BITS`."""
-        if isinstance(level, bool) or not isinstance(level, numbers.Integral):
-            raise TypeError(f"an RMS-scaled quantisation level must be {cls.level_help} "
-                            f"(an int), got {level!r}")  # fmt: skip
-        if int(level) not in BITS:
-            raise ValueError(
-                f"an RMS-scaled quantisation level must be one of {BITS} bits, got {level!r}"
-            )
-        return int(level)
 
     @classmethod
     def label(cls, level: Any) -> str:

@@ -254,14 +254,13 @@ class IntQuantizer(Compressor):
 
     @classmethod
     def check_level(cls, level: Any) -> int:
-        """A bit width: an int, one of :data:`BITS`."""
+        """A bit width: an int, one of the class's :attr:`bit_widths`."""
         if isinstance(level, bool) or not isinstance(level, numbers.Integral):
-            raise TypeError(f"an integer quantisation level must be {cls.level_help} (an int), "
+            raise TypeError(f"an {cls.title} level must be {cls.level_help} (an int), "
                             f"got {level!r}")  # fmt: skip
         if int(level) not in cls.bit_widths:
             raise ValueError(
-                f"an integer quantisation level must be one of {cls.bit_widths} bits, "
-                f"got {level!r}"
+                f"an {cls.title} level must be one of {cls.bit_widths} bits, got {level!r}"
             )
         return int(level)
 

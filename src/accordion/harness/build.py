@@ -54,7 +54,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
         state.calibrate(compute_s=compute_s)
     traffic = Traffic(strategy, model, state, world)
     optimizer = make_optimizer(config, model)
-    if strategy.adam_noise:
+    if strategy.adam_noise and strategy.sync_every is None:
         _correct_adam(config, optimizer, state)
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
@@ -69,6 +69,8 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
                       warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config),
                       error_decay=strategy.error_decay, **streaming)  # fmt: skip
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
+        if strategy.adam_noise:  # after DiLoCo's hook, which averages the warm-up's gradients
+            _correct_adam(config, optimizer, diloco.warmup_state)
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger,
                compute_s if config.measure_compute else None, diloco)  # fmt: skip

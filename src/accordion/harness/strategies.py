@@ -58,7 +58,9 @@ F fragments of the model in turn, one every H / F steps (H a multiple of F); ``d
 overlaps each with the next T inner steps (T < H / F), and ``mix=A`` keeps A of the
 worker's own parameters when it lands, e.g. ``diloco:10:fragments=2:delay=1+static:int:2``.
 ``ef-decay=B`` decays the syncs' error-feedback memory by B before each (SparseLoCo's),
-e.g. ``diloco:10:lr=1:momentum=0:ef-decay=0.95+static:sparseloco:0.03``.
+e.g. ``diloco:10:lr=1:momentum=0:ef-decay=0.95+static:sparseloco:0.03``; ``adam-noise``
+corrects the inner AdamW for the compressed warm-up's noise
+(``diloco:10:warmup=180:warmup-with=nq/2:adam-noise+static:nq:1``).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ FORMATS = (
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
     "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
-    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B]",
+    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:adam-noise]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -305,16 +307,22 @@ def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
     """The ``key=value`` options of ``diloco:H`` (:data:`_DILOCO_OPTIONS`), each once."""
     found: dict[str, Any] = {}
     for option in options:
+        if option == "adam-noise" and "adam_noise" not in found:  # the warm-up's AdamW
+            found["adam_noise"] = True
+            continue
         key, eq, text = option.partition("=")
         value = _diloco_value(key, text) if eq and key in _DILOCO_OPTIONS else None
         if value is None or _DILOCO_OPTIONS[key][0] in found:
             allowed = "; ".join(f"{k}=... ({v[2]})" for k, v in _DILOCO_OPTIONS.items())
-            raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}, "
-                             f"each once; got {option!r}")  # fmt: skip
+            raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}; "
+                             f"adam-noise; each once; got {option!r}")  # fmt: skip
         found[_DILOCO_OPTIONS[key][0]] = value
     for name, option in (("warmup_with", "warmup-with"), ("warmup_eta", "warmup-eta")):
         if name in found and not found.get("warmup_steps"):
             raise ValueError(f"strategy {whole!r}: {option} needs warmup=N with N >= 1")
+    if "adam_noise" in found and "warmup_with" not in found:
+        raise ValueError(f"strategy {whole!r}: adam-noise corrects the warm-up's AdamW for "
+                         "its compression: it needs warmup-with=NAME/LEVEL")  # fmt: skip
     return found
 
 
