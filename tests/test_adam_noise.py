@@ -301,3 +301,37 @@ def test_the_adam_noise_suffix_parses_on_static_and_accordion_strategies_not_on_
         parse_strategy("diloco:10+static:nq:2:adam-noise")
     with pytest.raises(ValueError, match="repeats a suffix"):
         parse_strategy("static:nq:2:adam-noise:adam-noise")
+
+
+def _harness_runs(rank, world, local_rank, configs):
+    from accordion.harness.train import run_many
+
+    return [result.as_dict() for result in run_many(configs, rank, world, local_rank)]
+
+
+def test_a_harness_run_with_adam_noise_trains_otherwise_than_without():
+    from accordion.harness.launch import run_distributed
+    from accordion.harness.train import TrainConfig
+
+    tiny = dict(task="charlm", model="transformer-tiny", train_samples=128, test_samples=32,
+                epochs=1, batch_size=32, bptt=32, optimizer="adamw", lr=3e-3, clip=1.0,
+                threads=1, progress=False)  # fmt: skip
+    configs = [TrainConfig(**tiny, strategy=s) for s in ("static:nq:2", "static:nq:2:adam-noise")]
+    plain, corrected = run_distributed(_harness_runs, 2, configs)
+    assert plain["epochs"][0]["bytes"] == corrected["epochs"][0]["bytes"]
+    assert plain["epochs"][0]["train_loss"] != corrected["epochs"][0]["train_loss"]
+
+
+def test_the_harness_refuses_adam_noise_without_adamw_or_with_a_checkpoint_dir(tmp_path):
+    from accordion.harness.build import _correct_adam
+    from accordion.harness.train import TrainConfig
+
+    net = nn.Linear(4, 2)
+    state = AccordionState(net, "nq", levels=(2, 2))
+    sgd = TrainConfig(strategy="static:nq:2:adam-noise", optimizer="sgd")
+    with pytest.raises(ValueError, match="needs --optimizer adamw, got 'sgd'"):
+        _correct_adam(sgd, torch.optim.SGD(net.parameters(), lr=0.1), state)
+    resumed = TrainConfig(strategy="static:nq:2:adam-noise", optimizer="adamw",
+                          checkpoint_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match="does not resume yet"):
+        _correct_adam(resumed, torch.optim.AdamW(net.parameters()), state)

@@ -359,10 +359,9 @@ class IntQuantizer(Compressor):
         offset = scale_offset = 0
         for i, (m, b) in enumerate(zip(tensors, bits)):
             nbytes, nscales = packed_bytes(m.numel(), b), block_count(m.shape)
-            each = self.decode(gathered[:, offset : offset + nbytes],
-                               gathered_scales[:, scale_offset : scale_offset + nscales],
-                               m.shape, b, wide_dtype(m.dtype))  # fmt: skip
             own = gathered_scales[:, scale_offset : scale_offset + nscales]
+            each = self.decode(gathered[:, offset : offset + nbytes], own, m.shape, b,
+                               wide_dtype(m.dtype))  # fmt: skip
             self._record_variance(keys[i], own, b, tuple(m.shape))
             average = _mean_of_workers(each).view(m.shape)
             if out is None:
