@@ -242,6 +242,9 @@ def test_only_adam_and_adamw_without_amsgrad_or_l2_decay_are_accepted():
 def test_a_state_dict_round_trips_and_a_wrong_one_is_refused_unchanged():
     net, opt, state, fix = run_steps("nq", 2, correct=True, steps=2)
     saved = fix.state_dict()
+    with pytest.raises(ValueError, match="has an AdamNoiseCorrection already"):
+        AdamNoiseCorrection(opt, state)  # a second would subtract the noise twice
+    fix.remove()
     fresh = AdamNoiseCorrection(opt, state)
     fresh.load_state_dict(saved)
     for a, b in zip(fresh.state_dict()["noise"], saved["noise"]):

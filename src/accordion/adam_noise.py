@@ -32,6 +32,8 @@ from .controller import Controller
 
 #: ``floor``'s default: ``v_used`` at least a quarter of ``v`` (a step at most 2x Adam's).
 DEFAULT_FLOOR = 0.25
+#: The attribute that marks an optimizer as corrected (one correction per optimizer).
+_HOOKED = "_accordion_noise_correction"
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -94,6 +96,8 @@ class AdamNoiseCorrection:
                             f"got {type(state).__name__}")  # fmt: skip
         if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0 < floor <= 1:
             raise ValueError(f"floor must be a number in (0, 1], got {floor!r}")
+        if getattr(optimizer, _HOOKED, None) is not None:  # two would subtract the noise twice
+            raise ValueError("optimizer has an AdamNoiseCorrection already: remove() it first")
         self.optimizer: torch.optim.Optimizer = optimizer
         self.state: Controller = state
         self.floor: float = float(floor)
@@ -104,12 +108,15 @@ class AdamNoiseCorrection:
         self.corrected_steps: int = 0
         self._handles: list[Any] = [optimizer.register_step_pre_hook(self._before),
                          optimizer.register_step_post_hook(self._after)]  # fmt: skip
+        setattr(optimizer, _HOOKED, self)
 
     def remove(self) -> None:
         """Unhook: the optimizer steps as plain Adam from now on."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if getattr(self.optimizer, _HOOKED, None) is self:
+            setattr(self.optimizer, _HOOKED, None)
 
     def _noises(self) -> tuple[list[tuple[torch.Tensor, dict, torch.Tensor]], float]:
         """``(parameter, group, variance)`` of each parameter with a known error, and
