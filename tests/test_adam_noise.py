@@ -82,28 +82,21 @@ def test_the_predicted_noise_of_an_error_fed_average_is_the_measured_one(name, b
     assert 0.75 < measured / predicted < 1.33
 
 
-def test_without_error_feedback_the_noise_is_this_exchanges_residuals_alone():
+@pytest.mark.parametrize("feedback", [True, False])
+def test_the_noise_is_this_exchanges_residuals_and_with_error_feedback_the_last_ones(feedback):
     from accordion.compress import NoMemory
 
-    reducers = [Reducer(NormalQuantizer(2), NoMemory()) for _ in range(2)]
-    for r in reducers:
-        r.noise.on = True
-    for step in range(2):
-        exchange(reducers, [gaussian(10 * step + w) for w in range(2)])
-    compressor = reducers[0].compressor
-    torch.testing.assert_close(noise(reducers[0]),
-                               compressor.residual_variance("w") / 4)  # fmt: skip
-
-
-def test_with_error_feedback_the_noise_adds_the_last_exchanges_residuals():
-    reducers = [Reducer(NormalQuantizer(2), ErrorFeedback()) for _ in range(2)]
+    memory = ErrorFeedback if feedback else NoMemory
+    reducers = [Reducer(NormalQuantizer(2), memory()) for _ in range(2)]
     for r in reducers:
         r.noise.on = True
     for step in range(2):
         exchange(reducers, [gaussian(10 * step + w) for w in range(2)])
     c = reducers[0].compressor
-    expected = (c.residual_variance("w") + c.residual_variance("w", previous=True)) / 4
-    torch.testing.assert_close(noise(reducers[0]), expected)
+    expected = c.residual_variance("w")
+    if feedback:
+        expected = expected + c.residual_variance("w", previous=True)
+    torch.testing.assert_close(noise(reducers[0]), expected / 4)
 
 
 def test_noise_is_unknown_for_powersgd_for_dense_keys_and_when_not_tracked():
