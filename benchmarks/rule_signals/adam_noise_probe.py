@@ -89,8 +89,8 @@ def train(mode: str, seed: int, data) -> dict:
                 p.mul_(1 - lr * probe.WD)
                 p.sub_(lr * (m[i] / (1 - b1**t)) / ((used / (1 - b2**t)).sqrt() + probe.EPS))
     loss, accuracy = probe.evaluate(model, data.x_test, data.y_test)
-    return {"val_loss": loss, "accuracy": accuracy,
-            "noise_measured_over_predicted": measured / predicted if predicted else None}  # fmt: skip
+    ratio = measured / predicted if predicted else None
+    return {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
 
 
 if __name__ == "__main__":

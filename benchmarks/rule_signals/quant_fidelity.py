@@ -36,17 +36,6 @@ EVERY = 50
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "quant_fidelity_lm.json"
 
 
-def shadow_errors(reducers, grads, true, index) -> float:
-    """Feed the two workers' reducers copies of ``grads``; the mean relative error."""
-    copies = [[g.clone() for g in gw] for gw in grads]
-    keys = list(range(len(true)))
-    SimulatedTransport(probe.WORKERS).run(
-        [r.exchange(keys, c, probe.WORKERS) for r, c in zip(reducers, copies)]
-    )
-    return float(np.mean([float((copies[0][i] - true[i]).norm() / true[i].norm())
-                          for i in index]))  # fmt: skip
-
-
 def main(steps: int, seed: int) -> dict:
     """Train densely for ``steps``; per level, the shadow's mean error per 50 steps."""
     torch.manual_seed(seed)
@@ -66,8 +55,9 @@ def main(steps: int, seed: int) -> dict:
         idx = perm[step * probe.BATCH : (step + 1) * probe.BATCH]
         grads, _ = probe.local_grads(model, params, data.x_train, data.y_train, idx)
         true = [(a + b) / probe.WORKERS for a, b in zip(*grads)]
-        for name, reducers in shadows.items():
-            errors[name].append(shadow_errors(reducers, grads, true, index))
+        transport = SimulatedTransport(probe.WORKERS)
+        for name, pairs in probe.shadow_step(shadows, transport, grads, true, index).items():
+            errors[name].append(float(np.mean([error for error, _ in pairs])))
         norm = float(torch.cat([t.reshape(-1) for t in true]).norm())
         for p, t in zip(params, true):
             p.grad = t * min(1.0, probe.CLIP / (norm + 1e-6))

@@ -121,7 +121,7 @@ class AdamNoiseCorrection:
     def _noises(self) -> tuple[list[tuple[torch.Tensor, dict, torch.Tensor]], float]:
         """``(parameter, group, variance)`` of each parameter with a known error, and
         ``c**2``: the squared norm of the gradients now over that of the averages."""
-        noisy, now, averaged = [], [], []
+        noisy, recorded = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 grad = p.grad
@@ -129,13 +129,14 @@ class AdamNoiseCorrection:
                     continue
                 variance, square = noise_of(self.state, p)
                 if square is not None:  # clipping scales every averaged gradient alike
-                    now.append(grad.detach().float().square().sum())
-                    averaged.append(square)
+                    recorded.append((grad, square))
                 if variance is not None:
                     noisy.append((p, group, variance))
-        total = float(torch.stack(averaged).sum()) if noisy and averaged else 0.0
-        scale = float(torch.stack(now).sum()) / total if total > 0 else 1.0
-        return noisy, scale
+        if not noisy or not recorded:  # nothing to correct: no pass over the gradients
+            return noisy, 1.0
+        total = float(torch.stack([square for _, square in recorded]).sum())
+        now = torch.stack([g.detach().float().square().sum() for g, _ in recorded]).sum()
+        return noisy, float(now) / total if total > 0 else 1.0
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         noisy, scale = self._noises()

@@ -2,7 +2,7 @@
 
 The integer quantiser (``quantize.py``) scales each block by its largest magnitude, so
 that nothing is clipped; at 2 bits its grid is ``{-1, 0, +1} * max``, and in a block of
-64 roughly Gaussian values about three quarters round to 0. This one scales each block by
+64 roughly Gaussian values about four fifths round to 0. This one scales each block by
 its root mean square ``s`` instead and rounds onto the ``2**bits`` midpoints of a uniform
 grid whose step is Max's (1960) optimal step for a unit Gaussian (:data:`STEPS`): at
 2 bits the levels are ``+-0.50 s`` and ``+-1.49 s``, at 1 bit ``+-0.80 s`` (the sign and
@@ -32,10 +32,12 @@ import torch
 
 from .base import register
 from .quantize import (
+    BLOCK,
     IntQuantizer,
     _blocked,
     _round_up_to_fp16,
     _unblocked,
+    block_layout,
     wide_dtype,
 )
 
@@ -76,8 +78,9 @@ def rms_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     dtype = torch.promote_types(x.dtype, torch.float32)
     blocks = _blocked(x.detach().reshape(-1).to(dtype), x.shape)
     # padding zeros are not the block's: mean over its real elements only
-    real = _blocked(torch.ones(x.numel(), dtype=dtype, device=x.device), x.shape)
-    count = real.sum(-1, keepdim=True).clamp_(min=1)
+    count = torch.full((blocks.shape[-2], 1), BLOCK, dtype=dtype, device=x.device)
+    if count.numel():
+        count[-1] = block_layout(x.shape)[1] - (count.numel() - 1) * BLOCK  # a row's last
     rms = (blocks.square().sum(-1, keepdim=True) / count).sqrt_()
     scales = _round_up_to_fp16(rms)
     step = scales.to(dtype) * STEPS[bits]
