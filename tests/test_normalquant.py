@@ -221,4 +221,5 @@ def test_gloo_processes_average_what_simulated_workers_average(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for g, (average, _) in zip(got, expected[rank]):
-            assert torch.equal(g, average)  # the same code on the same machine
+            # two transports, two processes' thread counts: a tolerance, not bitwise
+            torch.testing.assert_close(g, average, rtol=1e-6, atol=1e-7)
