@@ -106,6 +106,20 @@ def test_a_diloco_ef_decay_reaches_the_syncs_error_feedback(tmp_path):
     assert losses[plain][-1] != losses[dropped][-1]
 
 
+def test_diloco_rounds_that_grow_or_shrink_with_the_rate_follow_its_decay(tmp_path):
+    # TINY's rate rises for 8 steps to 0.08875, then drops 10x for the last 4
+    fixed, grown, shrunk = "diloco:2", "diloco:2:grow=1:max=4", "diloco:4:grow=-1:min=1"
+    results = run_compare(TrainConfig(**TINY), [fixed, grown, shrunk], seeds=1, workers=1,
+                          out=tmp_path)  # fmt: skip
+    runs = {r["strategy"]: r for r in results["runs"]}
+    assert runs[grown]["diloco"]["round_lengths"] == [2, 2, 2, 2, 4]  # 2 * 8.875, capped
+    assert runs[shrunk]["diloco"]["round_lengths"] == [4, 4, 1, 1, 1, 1]  # 4 / 8.875 -> 1
+    assert "round_lengths" not in runs[fixed]["diloco"]
+    sent = {name: run["epochs"][-1]["bytes"] for name, run in runs.items()}
+    assert sent[grown] == pytest.approx(sent[fixed] * 5 / 6, rel=1e-9)
+    assert sent[shrunk] == pytest.approx(sent[fixed], rel=1e-9)  # 6 rounds each
+
+
 def test_a_diloco_warmup_ended_by_its_norm_test_sends_less_and_records_where(tmp_path):
     # no learning-rate warm-up: a window in which the rate rises is never calm
     config = TrainConfig(**{**TINY, "interval_unit": "step", "interval": 2, "warmup_epochs": 0})

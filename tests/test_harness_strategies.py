@@ -440,6 +440,27 @@ def test_diloco_ef_decay_sets_the_syncs_decayed_error_feedback():
     assert parse_strategy("diloco:10").error_decay == 1.0
 
 
+def test_diloco_grow_min_and_max_set_the_rounds_schedule():
+    s = parse_strategy("diloco:12:lr=0.5:grow=2:max=60+static:int:2")
+    assert (s.sync_growth, s.min_sync_every, s.max_sync_every) == (2.0, None, 60)
+    s = parse_strategy("diloco:50:grow=-1:min=20")
+    assert (s.sync_growth, s.min_sync_every, s.max_sync_every) == (-1.0, 20, None)
+    assert parse_strategy("diloco:10").sync_growth == 0.0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("diloco:10:min=5", "min=N and max=N bound the rounds of grow=P (P other than 0)"),
+    ("diloco:10:grow=1:min=12", "the rounds' bounds must hold H = 10: min=12 <= H"),
+    ("diloco:10:grow=1:max=5", "H = 10: min=None <= H <= max=5"),
+    ("diloco:10:grow=1:fragments=2", "streamed fragments (fragments=, delay=, mix=) land at "
+                                     "a fixed gap"),
+    ("diloco:10:grow=nan", "grow=... (the power of peak lr / lr"),
+])  # fmt: skip
+def test_a_diloco_rounds_schedule_that_cannot_run_is_a_value_error_naming_it(text, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_strategy(text)
+
+
 @pytest.mark.parametrize("text, match", [
     ("diloco:10:fragments=3", "(H=10, fragments=3, delay=0): sync_every must be a multiple "
                               "of the 3 fragments"),

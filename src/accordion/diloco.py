@@ -43,12 +43,14 @@ from torch import nn
 
 from ._validate import check_int, check_number, check_state_keys
 from .controller import Controller
+from .diloco_schedule import SyncSchedule
 from .diloco_warmup import WarmupEnd
 
 #: DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr and momentum).
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 _STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state",
                          "warmup_end", "warmup_test"})  # fmt: skip
+_OPTIONAL_KEYS = frozenset({"schedule"})  # files saved before rounds could grow lack it
 _DDP = nn.parallel.DistributedDataParallel
 #: Inner steps per window of the warm-up's norm test, by default.
 WARMUP_WINDOW = 25
@@ -114,6 +116,15 @@ class DiLoCo:
             pseudo-gradient plus beta times what the last one left unsent (SparseLoCo's
             decayed error feedback, Sarfi et al. 2025, used with a plain outer step).
             Default 1: plain error feedback.
+        sync_growth: p, a finite float (default 0: every round is ``sync_every`` steps). A
+            round that starts at inner learning rate ``lr`` takes ``sync_every * (peak /
+            lr) ** p`` steps (rounded, within ``[min_sync_every, max_sync_every]``),
+            ``peak`` the highest inner rate so far: with p > 0 rounds lengthen as the
+            schedule decays (2 is the quadratic synchronisation rule of Gu et al., 2024),
+            with p < 0 they shorten (:class:`~accordion.diloco_schedule.SyncSchedule`).
+        min_sync_every, max_sync_every: the shortest and longest round with
+            ``sync_growth``, ints with ``1 <= min <= sync_every <= max`` (defaults:
+            ``sync_every`` and 4 times it when p > 0, a quarter of it and itself when p < 0).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
     step is collective, and so is each warm-up step.
@@ -126,13 +137,18 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                  | None = None, warmup_steps: int = 0,
                  warmup_state: Controller | None = None, warmup_eta: float | None = None,
-                 warmup_window: int = WARMUP_WINDOW, error_decay: float = 1.0):  # fmt: skip
+                 warmup_window: int = WARMUP_WINDOW, error_decay: float = 1.0,
+                 sync_growth: float = 0.0, min_sync_every: int | None = None,
+                 max_sync_every: int | None = None):  # fmt: skip
         self.params = _checked_params(model, inner_optimizer)
         ddp = model if isinstance(model, _DDP) else None
         module = model if ddp is None else ddp.module
         self.inner = inner_optimizer
         #: H, the inner steps per round.
         self.sync_every = check_int("sync_every", sync_every, 1)
+        #: How many inner steps each round takes (H, or H grown as the rate decays).
+        self.schedule = SyncSchedule(self.sync_every, sync_growth, min_sync_every,
+                                     max_sync_every)  # fmt: skip
         #: Data-parallel inner steps before the first round.
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         #: The Accordion state that averages the pseudo-gradients.
@@ -189,6 +205,8 @@ class DiLoCo:
     def step(self) -> bool:
         """Count one inner step; at the end of a round, sync (collective). Returns
         whether this call synced."""
+        if self.schedule.growth:  # the schedule's rate: alike on every rank
+            self.schedule.observe(self.inner.param_groups[0]["lr"])
         if self.warmup_state is not None and self.in_warmup:
             self.inner_steps += 1
             self.warmup_state.end_step(self.inner)
@@ -206,7 +224,7 @@ class DiLoCo:
 
     def _round_step(self, t: int) -> bool:
         """After the ``t``-th inner step of the rounds (from 1): sync at a round's end."""
-        if t % self.sync_every:
+        if not self.schedule.due(t, self.inner.param_groups[0]["lr"]):
             return False
         self.sync()
         return True
@@ -282,13 +300,15 @@ class DiLoCo:
         dense sync per round) with ``rounds``, ``inner_steps``, the warm-up state's
         (``warmup``, ``None`` without one), the warm-up's steps so far
         (``warmup_steps_done``), the norm test's windows (``warmup_checks``, ``[]``
-        without one) and :meth:`sent`'s totals (``sent_floats``, ``sent_bytes``)."""
+        without one), each round's inner steps with ``sync_growth`` (``round_lengths``,
+        ``[]`` without) and :meth:`sent`'s totals (``sent_floats``, ``sent_bytes``)."""
         floats, nbytes = self.sent()
         warmup = None if self.warmup_state is None else self.warmup_state.stats()
         checks = [] if self.warmup_test is None else [dict(c) for c in self.warmup_test.checks]
         return {**self.state.stats(), "rounds": self.rounds, "inner_steps": self.inner_steps,
                 "warmup": warmup, "warmup_steps_done": min(self.inner_steps, self.warmup_length),
-                "warmup_checks": checks, "sent_floats": floats, "sent_bytes": nbytes}  # fmt: skip
+                "warmup_checks": checks, "round_lengths": list(self.schedule.lengths),
+                "sent_floats": floats, "sent_bytes": nbytes}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, anchor, outer optimiser and Accordion states (the inner optimiser and
@@ -299,13 +319,15 @@ class DiLoCo:
                 "warmup_state": None if self.warmup_state is None
                 else self.warmup_state.state_dict(), "warmup_end": self.warmup_end,
                 "warmup_test": None if self.warmup_test is None
-                else self.warmup_test.state_dict()}  # fmt: skip
+                else self.warmup_test.state_dict(),
+                "schedule": self.schedule.state_dict() if self.schedule.growth
+                else None}  # fmt: skip
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a missing key, an anchor of other shapes, an outer
         optimiser state of other param groups or a bad Accordion state is a
         ``ValueError``, and leaves everything as it was."""
-        check_state_keys(saved, self._state_keys, type(self).__name__)
+        check_state_keys(saved, self._state_keys, type(self).__name__, _OPTIONAL_KEYS)
         anchor = saved["anchor"]
         shapes = [tuple(a.shape) for a in self._anchor]
         if not isinstance(anchor, list | tuple) or [tuple(a.shape) for a in anchor] != shapes:
@@ -321,6 +343,11 @@ class DiLoCo:
             raise ValueError(f"warmup_state must be {wanted} for a DiLoCo with warmup_steps="
                              f"{self.warmup_steps}, got {got}")  # fmt: skip
         self._check_warmup_end(saved)
+        growth = self.schedule.growth
+        if (saved.get("schedule") is None) != (not growth):
+            raise ValueError(f"schedule must be {'a state dict' if growth else 'None'} for a "
+                             f"DiLoCo with sync_growth={growth:g}: the state dict was saved "
+                             "by one whose rounds change otherwise")  # fmt: skip
         self._load_states(saved)
         for mine, theirs in zip(self._anchor, anchor):
             mine.copy_(theirs)
@@ -348,6 +375,8 @@ class DiLoCo:
             parts.append((self.warmup_state, saved["warmup_state"]))
         if self.warmup_test is not None:
             parts.append((self.warmup_test, saved["warmup_test"]))
+        if self.schedule.growth:
+            parts.append((self.schedule, saved["schedule"]))
         before = [copy.deepcopy(part.state_dict()) for part, _ in parts]
         loaded = []
         try:

@@ -116,6 +116,10 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  sync_every: int, *, fragments: int | Sequence[Sequence[nn.Parameter]] = 2,
                  delay: int = 0, mix: float = 0.0, **kwargs: Any):  # fmt: skip
+        if kwargs.get("sync_growth"):
+            raise ValueError(f"sync_growth={kwargs['sync_growth']!r}: StreamingDiLoCo's "
+                             "fragments land at a fixed gap, H / F; its rounds do not "
+                             "change length")  # fmt: skip
         super().__init__(model, inner_optimizer, sync_every, **kwargs)
         #: Each fragment's indices into :attr:`params`.
         self.fragments = self._checked_fragments(fragments)

@@ -60,7 +60,11 @@ worker's own parameters when it lands, e.g. ``diloco:10:fragments=2:delay=1+stat
 ``ef-decay=B`` decays the syncs' error-feedback memory by B before each (SparseLoCo's),
 e.g. ``diloco:10:lr=1:momentum=0:ef-decay=0.95+static:sparseloco:0.03``; ``adam-noise``
 corrects the inner AdamW for the compressed warm-up's noise
-(``diloco:10:warmup=180:warmup-with=nq/2:adam-noise+static:nq:1``).
+(``diloco:10:warmup=180:warmup-with=nq/2:adam-noise+static:nq:1``). ``grow=P`` makes a
+round that starts at inner rate lr H (peak lr / lr) ** P steps long, within ``min=N`` and
+``max=N`` (:class:`accordion.diloco_schedule.SyncSchedule`): longer as the rate decays with
+P > 0, e.g. ``diloco:12:grow=2:max=60+static:int:2``, shorter with P < 0, e.g.
+``diloco:50:grow=-1:min=20+static:int:2``.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ FORMATS = (
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
     "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
-    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:adam-noise]",
+    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:grow=P][:min=N][:max=N][:adam-noise]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -142,6 +146,9 @@ class Strategy:
     mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
     error_decay: float = 1.0  # the factor on the syncs' error-feedback memory (1: plain)
     adam_noise: bool = False  # AdamW's second moment corrected for compression noise
+    sync_growth: float = 0.0  # DiLoCo's rounds scale by (peak lr / lr) ** this (0: fixed H)
+    min_sync_every: int | None = None  # the shortest round then (None: the schedule's default)
+    max_sync_every: int | None = None  # the longest (None: the schedule's default)
 
     @property
     def streams(self) -> bool:
@@ -257,6 +264,7 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
                          "accordion strategy (without :auto or :adam-noise)")  # fmt: skip
     _check_streaming(int(h), found.get("fragments", 1), found.get("delay", 0), whole)
+    _check_growth(int(h), found, whole)
     return dataclasses.replace(comm, text=whole, sync_every=int(h), **found)
 
 
@@ -268,6 +276,22 @@ def _check_streaming(h: int, fragments: int, delay: int, whole: str) -> None:
     except ValueError as exc:
         raise ValueError(f"strategy {whole!r} (H={h}, fragments={fragments}, delay={delay}): "
                          f"{exc}") from None
+
+
+def _check_growth(h: int, found: dict[str, Any], whole: str) -> None:
+    """``min=``/``max=`` need ``grow=`` and bound H (``min <= H <= max``); streamed rounds
+    do not change length."""
+    grow = found.get("sync_growth", 0.0)
+    low, top = found.get("min_sync_every"), found.get("max_sync_every")
+    if (low is not None or top is not None) and not grow:
+        raise ValueError(f"strategy {whole!r}: min=N and max=N bound the rounds of grow=P "
+                         "(P other than 0)")  # fmt: skip
+    if (low is not None and low > h) or (top is not None and top < h):
+        raise ValueError(f"strategy {whole!r}: the rounds' bounds must hold H = {h}: "
+                         f"min={low} <= H <= max={top}")  # fmt: skip
+    if grow and any(k in found for k in ("fragments", "delay", "mix")):
+        raise ValueError(f"strategy {whole!r}: grow= changes whole rounds; streamed "
+                         "fragments (fragments=, delay=, mix=) land at a fixed gap")  # fmt: skip
 
 
 #: DiLoCo's options after H: name -> (Strategy field, parse, what is allowed).
@@ -285,6 +309,10 @@ _DILOCO_OPTIONS = {
     "mix": ("mix", float, "the worker's own share when a fragment lands, in [0, 1]"),
     "ef-decay": ("error_decay", float, "the factor on the error-feedback memory before each "
                  "sync, in [0, 1] (SparseLoCo's decayed error feedback)"),
+    "grow": ("sync_growth", float, "the power of peak lr / lr that scales a round's length, "
+             "finite (> 0 longer as the rate decays, < 0 shorter)"),
+    "min": ("min_sync_every", int, "the shortest round with grow=, an int in [1, H]"),
+    "max": ("max_sync_every", int, "the longest round with grow=, an int >= H"),
 }
 
 
@@ -299,7 +327,8 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
     positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731 - one of the table's checks
     ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
           "warmup-eta": positive, "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
-          "mix": lambda v: 0 <= v <= 1, "ef-decay": lambda v: 0 <= v <= 1}[key]  # fmt: skip
+          "mix": lambda v: 0 <= v <= 1, "ef-decay": lambda v: 0 <= v <= 1,
+          "grow": math.isfinite, "min": lambda v: v >= 1, "max": lambda v: v >= 1}[key]  # fmt: skip
     return value if ok(value) else None
 
 

@@ -88,7 +88,9 @@ def train_run(
     if run.diloco is not None:
         stats = run.diloco.stats()
         keys = ("rounds", "warmup_steps_done", "warmup_checks", "fragment_syncs")
-        result.diloco = {k: stats[k] for k in keys if k in stats}  # the last: streaming only
+        result.diloco = {k: stats[k] for k in keys if k in stats}  # fragment_syncs: streaming
+        if stats.get("round_lengths"):  # rounds that grow
+            result.diloco["round_lengths"] = stats["round_lengths"]
     run.logger.close(result.checks, result.calibration)
     return result
 
