@@ -318,7 +318,7 @@ def test_a_harness_run_with_adam_noise_trains_otherwise_than_without():
     assert plain["epochs"][0]["train_loss"] != corrected["epochs"][0]["train_loss"]
 
 
-def test_the_harness_refuses_adam_noise_without_adamw_or_with_a_checkpoint_dir(tmp_path):
+def test_the_harness_refuses_adam_noise_without_adamw():
     from accordion.harness.build import _correct_adam
     from accordion.harness.train import TrainConfig
 
@@ -327,7 +327,3 @@ def test_the_harness_refuses_adam_noise_without_adamw_or_with_a_checkpoint_dir(t
     sgd = TrainConfig(strategy="static:nq:2:adam-noise", optimizer="sgd")
     with pytest.raises(ValueError, match="needs --optimizer adamw, got 'sgd'"):
         _correct_adam(sgd, torch.optim.SGD(net.parameters(), lr=0.1), state)
-    resumed = TrainConfig(strategy="static:nq:2:adam-noise", optimizer="adamw",
-                          checkpoint_dir=str(tmp_path))  # fmt: skip
-    with pytest.raises(ValueError, match="does not resume yet"):
-        _correct_adam(resumed, torch.optim.AdamW(net.parameters()), state)

@@ -122,9 +122,10 @@ class DiLoCo:
             ``peak`` the highest inner rate so far: with p > 0 rounds lengthen as the
             schedule decays (2 is the quadratic synchronisation rule of Gu et al., 2024),
             with p < 0 they shorten (:class:`~accordion.diloco_schedule.SyncSchedule`).
-        min_sync_every, max_sync_every: the shortest and longest round with
-            ``sync_growth``, ints with ``1 <= min <= sync_every <= max`` (defaults:
-            ``sync_every`` and 4 times it when p > 0, a quarter of it and itself when p < 0).
+        min_sync_every: the shortest round with ``sync_growth``, an int in ``[1,
+            sync_every]`` (default ``sync_every`` when p > 0, a quarter of it when p < 0).
+        max_sync_every: the longest round with ``sync_growth``, an int >= ``sync_every``
+            (default 4 times ``sync_every`` when p > 0, ``sync_every`` when p < 0).
 
     Every rank must call :meth:`step` after each inner ``optimizer.step()``; the outer
     step is collective, and so is each warm-up step.
@@ -146,7 +147,7 @@ class DiLoCo:
         self.inner = inner_optimizer
         #: H, the inner steps per round.
         self.sync_every = check_int("sync_every", sync_every, 1)
-        #: How many inner steps each round takes (H, or H grown as the rate decays).
+        #: How many inner steps each round takes (H, or H following the inner rate).
         self.schedule = SyncSchedule(self.sync_every, sync_growth, min_sync_every,
                                      max_sync_every)  # fmt: skip
         #: Data-parallel inner steps before the first round.
@@ -328,48 +329,7 @@ class DiLoCo:
         optimiser state of other param groups or a bad Accordion state is a
         ``ValueError``, and leaves everything as it was."""
         check_state_keys(saved, self._state_keys, type(self).__name__, _OPTIONAL_KEYS)
-        anchor = saved["anchor"]
-        shapes = [tuple(a.shape) for a in self._anchor]
-        if not isinstance(anchor, list | tuple) or [tuple(a.shape) for a in anchor] != shapes:
-            raise ValueError(f"anchor must be {len(shapes)} tensors of shapes {shapes[:3]}..., "
-                             "the model's parameters")  # fmt: skip
-        for name in ("inner_steps", "rounds"):
-            value = saved[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if (saved["warmup_state"] is None) != (self.warmup_state is None):
-            wanted = "None" if self.warmup_state is None else "a state dict"
-            got = type(saved["warmup_state"]).__name__
-            raise ValueError(f"warmup_state must be {wanted} for a DiLoCo with warmup_steps="
-                             f"{self.warmup_steps}, got {got}")  # fmt: skip
-        self._check_warmup_end(saved)
-        growth = self.schedule.growth
-        if (saved.get("schedule") is None) != (not growth):
-            raise ValueError(f"schedule must be {'a state dict' if growth else 'None'} for a "
-                             f"DiLoCo with sync_growth={growth:g}: the state dict was saved "
-                             "by one whose rounds change otherwise")  # fmt: skip
-        self._load_states(saved)
-        for mine, theirs in zip(self._anchor, anchor):
-            mine.copy_(theirs)
-        self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
-        self.warmup_end = saved["warmup_end"]
-
-    def _check_warmup_end(self, saved: Mapping[str, Any]) -> None:
-        """``warmup_end`` and ``warmup_test`` of ``saved`` fit this DiLoCo's warm-up."""
-        if (saved["warmup_test"] is None) != (self.warmup_test is None):
-            wanted = "None" if self.warmup_test is None else "a state dict"
-            raise ValueError(f"warmup_test must be {wanted} for a DiLoCo with warmup_eta="
-                             f"{None if self.warmup_test is None else self.warmup_test.eta}, "
-                             f"got {type(saved['warmup_test']).__name__}")  # fmt: skip
-        end, top = saved["warmup_end"], self.warmup_steps if self.warmup_test else 0
-        if end is not None and (isinstance(end, bool) or not isinstance(end, int)
-                                or not 1 <= end <= top):  # fmt: skip
-            raise ValueError(f"warmup_end must be None or an int in [1, {top}] (an early end "
-                             f"needs warmup_eta), got {end!r}")  # fmt: skip
-
-    def _load_states(self, saved: Mapping[str, Any]) -> None:
-        """The outer optimiser and the Accordion states of ``saved``, all or none: a
-        failing load puts back what the others had loaded."""
+        _check_saved(self, saved)
         parts: list[tuple[Any, Any]] = [(self.outer, saved["outer"]), (self.state, saved["state"])]
         if self.warmup_state is not None:
             parts.append((self.warmup_state, saved["warmup_state"]))
@@ -377,16 +337,59 @@ class DiLoCo:
             parts.append((self.warmup_test, saved["warmup_test"]))
         if self.schedule.growth:
             parts.append((self.schedule, saved["schedule"]))
-        before = [copy.deepcopy(part.state_dict()) for part, _ in parts]
-        loaded = []
-        try:
-            for part, theirs in parts:
-                part.load_state_dict(theirs)  # raises on other groups, keys or shapes
-                loaded.append(part)
-        except Exception:
-            for part, mine in zip(loaded, before):
-                part.load_state_dict(mine)  # nothing changes on a bad entry
-            raise
+        _load_all(parts)
+        for mine, theirs in zip(self._anchor, saved["anchor"]):
+            mine.copy_(theirs)
+        self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
+        self.warmup_end = saved["warmup_end"]
+
+
+def _check_saved(diloco: DiLoCo, saved: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``saved``'s anchor, counters, warm-up and schedule entries fit
+    ``diloco`` (the states themselves are checked as they load)."""
+    anchor, shapes = saved["anchor"], [tuple(a.shape) for a in diloco._anchor]
+    if not isinstance(anchor, list | tuple) or [tuple(a.shape) for a in anchor] != shapes:
+        raise ValueError(f"anchor must be {len(shapes)} tensors of shapes {shapes[:3]}..., "
+                         "the model's parameters")  # fmt: skip
+    for name in ("inner_steps", "rounds"):
+        value = saved[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if (saved["warmup_state"] is None) != (diloco.warmup_state is None):
+        wanted = "None" if diloco.warmup_state is None else "a state dict"
+        got = type(saved["warmup_state"]).__name__
+        raise ValueError(f"warmup_state must be {wanted} for a DiLoCo with warmup_steps="
+                         f"{diloco.warmup_steps}, got {got}")  # fmt: skip
+    test = diloco.warmup_test
+    if (saved["warmup_test"] is None) != (test is None):
+        raise ValueError(f"warmup_test must be {'None' if test is None else 'a state dict'} for "
+                         f"a DiLoCo with warmup_eta={None if test is None else test.eta}, "
+                         f"got {type(saved['warmup_test']).__name__}")  # fmt: skip
+    end, top = saved["warmup_end"], diloco.warmup_steps if test else 0
+    if end is not None and (isinstance(end, bool) or not isinstance(end, int)
+                            or not 1 <= end <= top):  # fmt: skip
+        raise ValueError(f"warmup_end must be None or an int in [1, {top}] (an early end "
+                         f"needs warmup_eta), got {end!r}")  # fmt: skip
+    growth = diloco.schedule.growth
+    if (saved.get("schedule") is None) != (not growth):
+        raise ValueError(f"schedule must be {'a state dict' if growth else 'None'} for a "
+                         f"DiLoCo with sync_growth={growth:g}: the state dict was saved "
+                         "by one whose rounds change otherwise")  # fmt: skip
+
+
+def _load_all(parts: list[tuple[Any, Any]]) -> None:
+    """Load each ``(part, state)``, all or none: a failing load puts back what the others
+    had loaded, and raises."""
+    before = [copy.deepcopy(part.state_dict()) for part, _ in parts]
+    loaded = []
+    try:
+        for part, theirs in parts:
+            part.load_state_dict(theirs)  # raises on other groups, keys or shapes
+            loaded.append(part)
+    except Exception:
+        for part, mine in zip(loaded, before):
+            part.load_state_dict(mine)  # nothing changes on a bad entry
+        raise
 
 
 def _checked_params(model: Any, optimizer: Any) -> list[nn.Parameter]:

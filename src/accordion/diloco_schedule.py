@@ -1,19 +1,21 @@
-"""How many inner steps each DiLoCo round takes: a fixed H, or an H that grows as the
-inner learning rate falls.
+"""How many inner steps each DiLoCo round takes: a fixed H, or an H that follows the
+inner learning rate.
 
-DiLoCo's rounds cost quality where the workers' own steps drift apart before a sync, and
-the drift of H steps scales with the learning rate. On charlm-tiny at 4 epochs, rounds of
-H = 25 were 2-4% of validation loss behind DDP while the cosine schedule was high and
-closed to 0.8% once it had decayed (``docs/diloco.md``), where H = 10 stayed level all
-along: the high-rate phase is the critical one, the decayed one is calm. So a round that
-starts at inner learning rate ``lr`` may take
+The drift of H local steps between two syncs scales with the learning rate, so H is a
+lever like the paper's batch size: a round that starts at inner learning rate ``lr`` may
+take
 
-    H(lr) = min(max_sync_every, max(sync_every, round(sync_every * (peak / lr) ** growth)))
+    H(lr) = clamp(round(sync_every * (peak / lr) ** growth), min_sync_every, max_sync_every)
 
 steps, ``peak`` the highest inner learning rate seen so far (so a learning-rate warm-up
-counts as high). ``growth = 2`` is the quadratic synchronisation rule of Gu et al. (ICLR
-2024), H proportional to ``1 / lr**2``; ``growth = 0`` is DiLoCo's fixed H. Every rank
-reads the same schedule's rate, so every rank ends each round on the same step.
+counts as high). ``growth > 0`` lengthens the rounds as the schedule decays (``2`` is the
+quadratic synchronisation rule of Gu et al., ICLR 2024, H proportional to ``1 / lr**2``);
+``growth < 0`` shortens them; ``growth = 0`` is DiLoCo's fixed H. Every rank reads the
+same schedule's rate, so every rank ends each round on the same step.
+
+Measured on charlm-tiny at 4 epochs (``docs/diloco.md``, "H as a lever"): at the bytes of
+a fixed H = 25, neither sign did better than the fixed H; rounds that lengthen late lost
+most (the decayed phase is where frequent averaging closes DiLoCo's gap).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 from ._validate import check_int, check_number, check_state_keys
 
 _STATE_KEYS = frozenset({"start", "length", "peak", "lengths"})
-#: ``max_sync_every``'s default with ``growth > 0``: this many times ``sync_every``.
+#: The default range of a round: up to this many times ``sync_every`` with ``growth > 0``,
+#: down to ``sync_every`` over this with ``growth < 0``.
 MAX_GROWTH = 4
 
 

@@ -68,6 +68,8 @@ class Mixed(Compressor):
         "'powersgd/4', 'topk/0.01' (or a (NAME, LEVEL) pair)"
     )
     STATE_KEYS: ClassVar[frozenset[str]] = Compressor.STATE_KEYS | {"parts"}
+    #: ``senders``: which part sent each key lately (older files lack it).
+    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"senders"})
 
     def __init__(self, level: Any = "half/bf16", **options: Any):
         super().__init__(level)
@@ -218,9 +220,11 @@ class Mixed(Compressor):
             part.reset(keys)
 
     def state_dict(self) -> dict[str, Any]:
-        """Levels, and each part's state under its name."""
+        """Levels, each part's state under its name, and per key the parts that sent it at
+        its last two exchanges (whose residual variances Adam's correction reads)."""
         state = super().state_dict()
         state["parts"] = {name: part.state_dict() for name, part in self._parts.items()}
+        state["senders"] = {key: list(pair) for key, pair in self._senders.items()}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -228,17 +232,39 @@ class Mixed(Compressor):
         parts = state["parts"]
         if not isinstance(parts, Mapping) or not all(_known(name) for name in parts):
             raise ValueError(f"mixed parts must map compressor names to states, got {parts!r}")
+        senders = _checked_senders(state.get("senders", {}), parts)
         loaded = {}
         for name, part_state in parts.items():
             part = compressor_class(name).build(None, **self._options)
             part.load_state_dict(part_state)
             loaded[name] = part
         self.default_level, self._levels, self._parts = default, levels, loaded
+        self._senders = senders
 
     def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
         super().check_shapes(shapes)
         for part in self._parts.values():
             part.check_shapes(shapes)
+
+
+_Senders = dict[Hashable, tuple[str, str | None]]
+
+
+def _checked_senders(saved: Any, parts: Mapping[str, Any]) -> _Senders:
+    """A state's ``senders``: per key ``[last, before]``, names of its ``parts`` (``before``
+    may be ``None``)."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"mixed senders must be a Mapping, got {type(saved).__name__}")
+    out = {}
+    for key, pair in saved.items():
+        names = isinstance(pair, list | tuple) and len(pair) == 2 and all(
+            isinstance(n, str) for n in (pair[0], pair[1] or ""))  # fmt: skip
+        if not names or pair[0] not in parts or (pair[1] is not None and pair[1] not in parts):
+            raise ValueError(f"mixed senders[{key!r}] must be [last, before], names of "
+                             f"the parts {sorted(parts)} (before may be None), "
+                             f"got {pair!r}")  # fmt: skip
+        out[key] = (pair[0], pair[1])
+    return out
 
 
 def _part(name: str, level: Any) -> type[Compressor]:

@@ -72,6 +72,24 @@ class NoiseTracker:
         the last :meth:`consume`."""
         return self._squares.get(key) if key in self._fresh else None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Per key whether its last two exchanges sent it compressed (what a resumed run
+        needs: the squares and fresh marks are read by the step after each exchange)."""
+        return {"history": {key: list(pair) for key, pair in self._history.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a bad entry is a ``ValueError`` and changes nothing."""
+        history = state.get("history") if isinstance(state, Mapping) else None
+        if not isinstance(history, Mapping):
+            raise ValueError(f"noise state must be a Mapping with 'history', got {state!r:.80}")
+        for key, pair in history.items():
+            if (not isinstance(pair, list | tuple) or len(pair) != 2
+                    or not all(isinstance(b, bool) for b in pair)):  # fmt: skip
+                raise ValueError(f"noise history[{key!r}] must be [now, before] bools, "
+                                 f"got {pair!r}")  # fmt: skip
+        self._history = {key: (pair[0], pair[1]) for key, pair in history.items()}
+        self._squares, self._fresh = {}, set()
+
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Move ``old``'s records to ``new``."""
         if old in self._history:

@@ -206,6 +206,8 @@ class IntQuantizer(Compressor):
     title = "integer quantisation"
     #: The bit widths (levels) of the class, mildest first.
     bit_widths: ClassVar[tuple[int, ...]] = BITS
+    #: ``variance``: the residual variances Adam's noise correction reads (older files lack it).
+    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"variance"})
 
     def __init__(self, bits: int = 8):
         super().__init__(bits)
@@ -243,6 +245,33 @@ class IntQuantizer(Compressor):
         super().rename(old, new)
         if old in self._variance:
             self._variance[new] = self._variance.pop(old)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Levels, and per key the residual variances of its last two exchanges, so that a
+        resumed run corrects Adam for the same noise (:meth:`residual_variance`)."""
+        variance = {key: {"now": now.clone(), "before": None if before is None
+                          else before.clone(), "shape": list(shape)}
+                    for key, (now, before, shape) in self._variance.items()}  # fmt: skip
+        return {**super().state_dict(), "variance": variance}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        default, levels = self._checked_levels(state)
+        variance = _checked_variances(state.get("variance", {}))
+        self.default_level, self._levels, self._variance = default, levels, variance
+
+    def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
+        """:meth:`Compressor.check_shapes`, and each key's residual variances fit its
+        tensor: its shape, one entry per block of it."""
+        super().check_shapes(shapes)
+        for key, (now, _, shape) in self._variance.items():
+            if key not in shapes or tuple(shapes[key]) != shape:
+                raise ValueError(f"compressor variance[{key!r}] is for shape {shape}, not a "
+                                 f"tensor's: {shapes.get(key)}")  # fmt: skip
+            rows, cols = block_layout(shape)
+            blocks = rows * -(-cols // BLOCK)  # whole blocks per row
+            if now.numel() != blocks:
+                raise ValueError(f"compressor variance[{key!r}] has {now.numel()} blocks; a "
+                                 f"tensor of shape {shape} has {blocks}")  # fmt: skip
 
     def _record_variance(self, key: Hashable, scales: torch.Tensor, bits: int,
                          shape: tuple[int, ...]) -> None:  # fmt: skip
@@ -401,3 +430,27 @@ def _mean_of_workers(each: torch.Tensor) -> torch.Tensor:
     for w in range(1, each.shape[0]):
         total.add_(each[w])
     return total.div_(each.shape[0])
+
+
+def _checked_variances(saved: Any) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
+                                                        tuple[int, ...]]]:  # fmt: skip
+    """A state's ``variance`` entries checked: per key a 1-D float tensor of one entry per
+    block (``now``), another like it or ``None`` (``before``) and the tensor's ``shape``."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"compressor variance must be a Mapping, got {type(saved).__name__}")
+    out = {}
+    for key, entry in saved.items():
+        now = entry.get("now") if isinstance(entry, Mapping) else None
+        before = entry.get("before") if isinstance(entry, Mapping) else None
+        shape = entry.get("shape") if isinstance(entry, Mapping) else None
+        good = (isinstance(now, torch.Tensor) and now.dim() == 1 and now.is_floating_point()
+                and (before is None or (isinstance(before, torch.Tensor)
+                                        and before.shape == now.shape))
+                and isinstance(shape, list | tuple)
+                and all(type(n) is int and n >= 0 for n in shape))  # fmt: skip
+        if not good or not isinstance(now, torch.Tensor) or not isinstance(shape, list | tuple):
+            raise ValueError(f"compressor variance[{key!r}] must hold 'now' (a 1-D float tensor, "
+                             f"one entry per block), 'before' (None or the same) and 'shape' "
+                             f"(ints), got {entry!r:.80}")  # fmt: skip
+        out[key] = (now.clone(), None if before is None else before.clone(), tuple(shape))
+    return out

@@ -17,7 +17,7 @@ from .wire import check_world_size
 
 #: The keys of a state_dict, and those older ones lack.
 _STATE_KEYS = frozenset({"compressor", "memory"})
-_OPTIONAL_STATE_KEYS = frozenset({"dense_keys", "non_finite_steps"})
+_OPTIONAL_STATE_KEYS = frozenset({"dense_keys", "non_finite_steps", "noise"})
 
 
 class Reducer:
@@ -122,13 +122,15 @@ class Reducer:
             self.dense_keys.add(new)
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's levels and factors, the memory, the keys sent dense and the
-        count of non-finite steps: tensors and plain values (``weights_only``-loadable)."""
+        """The compressor's levels and factors, the memory, the keys sent dense, the
+        count of non-finite steps and the noise tracker's history: tensors and plain values
+        (``weights_only``-loadable)."""
         return {
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "dense_keys": sorted(self.dense_keys, key=repr),
             "non_finite_steps": self.non_finite_steps,
+            "noise": self.noise.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -148,8 +150,11 @@ class Reducer:
             raise ValueError(f"non_finite_steps must be an int >= 0, got {count!r}")
         memory = type(self.memory)()  # loaded apart: the compressor's load may still fail
         memory.load_state_dict(state["memory"])
+        noise = NoiseTracker()
+        noise.load_state_dict(state.get("noise", {"history": {}}))
         self.compressor.load_state_dict(state["compressor"])  # checks all before changing
-        self.memory = memory
+        noise.on = self.noise.on  # whether to record is the caller's, not the file's
+        self.memory, self.noise = memory, noise
         self._live, self._slots = None, {}  # every rank starts over alike
         self.dense_keys = dense
         self.non_finite_steps = count

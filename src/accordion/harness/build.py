@@ -54,8 +54,9 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
         state.calibrate(compute_s=compute_s)
     traffic = Traffic(strategy, model, state, world)
     optimizer = make_optimizer(config, model)
+    correction = None
     if strategy.adam_noise and strategy.sync_every is None:
-        _correct_adam(config, optimizer, state)
+        correction = _correct_adam(config, optimizer, state)
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
     if strategy.sync_every is not None:
@@ -71,10 +72,10 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
                       **_growth(strategy))  # fmt: skip
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
         if strategy.adam_noise:  # after DiLoCo's hook, which averages the warm-up's gradients
-            _correct_adam(config, optimizer, diloco.warmup_state)
+            correction = _correct_adam(config, optimizer, diloco.warmup_state)
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
-               traffic, optimizer, logger,
-               compute_s if config.measure_compute else None, diloco)  # fmt: skip
+               traffic, optimizer, logger, compute_s if config.measure_compute else None,
+               diloco, correction)  # fmt: skip
 
 
 def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
@@ -84,9 +85,6 @@ def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
         raise ValueError(f"strategy {config.strategy!r}: adam-noise corrects AdamW's second "
                          f"moment: it needs --optimizer adamw, got "
                          f"{config.optimizer!r}")  # fmt: skip
-    if config.checkpoint_dir is not None:
-        raise ValueError(f"strategy {config.strategy!r}: a run with adam-noise does not "
-                         "resume yet: drop --checkpoint-dir")  # fmt: skip
     return AdamNoiseCorrection(optimizer, state)
 
 

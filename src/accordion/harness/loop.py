@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..adam_noise import AdamNoiseCorrection
 from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
 from ..ddp import AccordionState
@@ -58,6 +59,8 @@ class Run:
     compute_step_s: float | None = None
     #: A DiLoCo strategy's rounds (``state`` averages its pseudo-gradients), else ``None``.
     diloco: DiLoCo | None = None
+    #: The ``adam-noise`` strategies' correction of AdamW's second moment, else ``None``.
+    adam_noise: AdamNoiseCorrection | None = None
 
 
 def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:

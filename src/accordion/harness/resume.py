@@ -32,6 +32,8 @@ def resume(run: Run, saver: Checkpointer | None, result: RunResult) -> tuple[int
     check_same_run(run.config, extra["config"], restored.path)
     if run.diloco is not None:
         _load_replica(run, extra, restored)
+    if run.adam_noise is not None:  # the strategy, in the config, says it was saved
+        run.adam_noise.load_state_dict(extra["adam_noise"])
     if run.rank == 0:  # stderr: stdout holds the run's result
         print(f"resumed from {restored.path} (step {restored.step}: {restored.step} of "
               f"{run.config.epochs} epochs done)", file=sys.stderr, flush=True)  # fmt: skip
@@ -63,6 +65,8 @@ def save(run: Run, saver: Checkpointer, done: int, result: RunResult, train_time
     """Write the checkpoint set after ``done`` epochs (collective)."""
     extra = {"records": result.epochs, "train_time": train_time,
              "traffic": run.traffic.state_dict(), "config": run.config.to_dict()}  # fmt: skip
+    if run.adam_noise is not None:
+        extra["adam_noise"] = run.adam_noise.state_dict()
     if run.diloco is not None:  # the replicas differ between syncs: every rank saves its own
         extra["replica"] = {"model": run.model.state_dict(),
                             "optimizer": run.optimizer.state_dict(),
