@@ -267,8 +267,7 @@ class IntQuantizer(Compressor):
             if key not in shapes or tuple(shapes[key]) != shape:
                 raise ValueError(f"compressor variance[{key!r}] is for shape {shape}, not a "
                                  f"tensor's: {shapes.get(key)}")  # fmt: skip
-            rows, cols = block_layout(shape)
-            blocks = rows * -(-cols // BLOCK)  # whole blocks per row
+            blocks = block_count(shape)
             if now.numel() != blocks:
                 raise ValueError(f"compressor variance[{key!r}] has {now.numel()} blocks; a "
                                  f"tensor of shape {shape} has {blocks}")  # fmt: skip
@@ -440,15 +439,13 @@ def _checked_variances(saved: Any) -> dict[Hashable, tuple[torch.Tensor, torch.T
         raise ValueError(f"compressor variance must be a Mapping, got {type(saved).__name__}")
     out = {}
     for key, entry in saved.items():
-        now = entry.get("now") if isinstance(entry, Mapping) else None
-        before = entry.get("before") if isinstance(entry, Mapping) else None
-        shape = entry.get("shape") if isinstance(entry, Mapping) else None
-        good = (isinstance(now, torch.Tensor) and now.dim() == 1 and now.is_floating_point()
+        fields = entry if isinstance(entry, Mapping) else {}
+        now, before, shape = fields.get("now"), fields.get("before"), fields.get("shape")
+        if not (isinstance(now, torch.Tensor) and now.dim() == 1 and now.is_floating_point()
                 and (before is None or (isinstance(before, torch.Tensor)
                                         and before.shape == now.shape))
                 and isinstance(shape, list | tuple)
-                and all(type(n) is int and n >= 0 for n in shape))  # fmt: skip
-        if not good or not isinstance(now, torch.Tensor) or not isinstance(shape, list | tuple):
+                and all(type(n) is int and n >= 0 for n in shape)):  # fmt: skip
             raise ValueError(f"compressor variance[{key!r}] must hold 'now' (a 1-D float tensor, "
                              f"one entry per block), 'before' (None or the same) and 'shape' "
                              f"(ints), got {entry!r:.80}")  # fmt: skip

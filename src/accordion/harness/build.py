@@ -68,8 +68,9 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
                       warmup_steps=strategy.warmup_steps,
                       warmup_state=_warmup_state(strategy, model, config.seed),
                       warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config),
-                      error_decay=strategy.error_decay, **streaming,
-                      **_growth(strategy))  # fmt: skip
+                      error_decay=strategy.error_decay, sync_growth=strategy.sync_growth,
+                      min_sync_every=strategy.min_sync_every,
+                      max_sync_every=strategy.max_sync_every, **streaming)  # fmt: skip
         traffic.diloco = diloco  # the rounds' and the warm-up's bytes
         if strategy.adam_noise:  # after DiLoCo's hook, which averages the warm-up's gradients
             correction = _correct_adam(config, optimizer, diloco.warmup_state)
@@ -86,14 +87,6 @@ def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
                          f"moment: it needs --optimizer adamw, got "
                          f"{config.optimizer!r}")  # fmt: skip
     return AdamNoiseCorrection(optimizer, state)
-
-
-def _growth(strategy: Strategy) -> dict[str, Any]:
-    """DiLoCo's round schedule of a ``grow=``/``min=``/``max=`` strategy."""
-    if not strategy.sync_growth:
-        return {}
-    return {"sync_growth": strategy.sync_growth, "min_sync_every": strategy.min_sync_every,
-            "max_sync_every": strategy.max_sync_every}  # fmt: skip
 
 
 def make_outer_optimizer(strategy: Strategy):
