@@ -290,7 +290,9 @@ def test_an_accordion_strategy_names_its_rule_and_interval_in_any_order():
     ["accordion:powersgd:4,1:median", "accordion:powersgd:4,1:every=0",
      "accordion:powersgd:4,1:paper:paper", "static:powersgd:4:guarded",
      "static:powersgd:4:every=2", "accordion:powersgd:4,1:paper:block=2",
-     "accordion:powersgd:4,1:block=0", "static:powersgd:4:block=2"],
+     "accordion:powersgd:4,1:block=0", "static:powersgd:4:block=2",
+     "accordion:powersgd:4,1:paper:open", "static:powersgd:4:open",
+     "accordion:powersgd:4,1:open:open"],
 )  # fmt: skip
 def test_a_bad_strategy_suffix_is_a_value_error_naming_the_strategy(text):
     with pytest.raises(ValueError, match="strategy"):
@@ -301,6 +303,27 @@ def test_a_guarded_strategy_names_its_block():
     strategy = parse_strategy("accordion:powersgd:4,2,1:block=5")
     assert (strategy.rule, strategy.block) == (None, 5)
     assert parse_strategy("accordion:powersgd:4,2,1:guarded:block=3").block == 3
+
+
+def test_an_open_guarded_strategy_builds_a_rule_that_does_not_wait_for_a_decay(monkeypatch):
+    made = []
+    monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
+    text = "accordion:mixed:nq/3,nq/2,sparseloco/0.03:open:block=4"
+    assert parse_strategy(text).open_ladder
+    attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
+                           _HookRecorder())  # fmt: skip
+    (kwargs,) = made
+    assert (kwargs["rule"].name, kwargs["rule"].wait_for_decay) == ("guarded", False)
+    assert kwargs["rule"].block == 4
+
+
+def test_a_guarded_strategy_waits_for_a_decay_unless_open(monkeypatch):
+    made = []
+    monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
+    text = "accordion:mixed:nq/3,nq/2,sparseloco/0.03:guarded"
+    attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
+                           _HookRecorder())  # fmt: skip
+    assert made[0]["rule"].wait_for_decay
 
 
 @pytest.mark.parametrize(

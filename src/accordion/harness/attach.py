@@ -45,9 +45,11 @@ def make_state(config: TrainConfig, strategy: Strategy, model: nn.Module,
     else:  # static: one level, mild == aggressive
         ladder = {"mild": strategy.mild, "aggressive": strategy.aggressive}
     rule = None  # the library's default rule, with eta
-    if strategy.rule or strategy.block is not None:
+    if strategy.rule or strategy.block is not None or strategy.open_ladder:
         block = None if strategy.block == "decay" else strategy.block
         options: dict[str, Any] = {} if strategy.block is None else {"block": block}
+        if strategy.open_ladder:
+            options["wait_for_decay"] = False
         if strategy.tau is not None:
             options["tau"] = strategy.tau
         name = strategy.rule or "guarded"

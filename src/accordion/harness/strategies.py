@@ -30,7 +30,8 @@ order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
 :data:`accordion.policy.RULES`; without a name the library's default rule, without
 ``every=N`` the run's ``--interval``), and for the guarded rule how many checks a
 relapse blocks a rung (``block=N``, or ``block=decay`` for until the next decay:
-:class:`~accordion.policy.GuardedRule`'s ``block``), for the audit rule its error
+:class:`~accordion.policy.GuardedRule`'s ``block``) and whether its last rung is open
+before the first decay (``open``: ``wait_for_decay=False``), for the audit rule its error
 budget (``tau=0.3``: :class:`~accordion.policy.AuditRule`), e.g.
 ``accordion:mixed:half/bf16,int/8,int/4,powersgd/4:audit:tau=0.3``.
 
@@ -86,7 +87,7 @@ FORMATS = (
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
     "<static or accordion strategy>:adam-noise",
-    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay]",
+    "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay][:open]",
     "torch-powersgd:R",
     "torch-fp16",
     "torch-bf16",
@@ -134,6 +135,7 @@ class Strategy:
     rule: str | None = None  # Accordion's rule by name (None: the library's default)
     interval: int | None = None  # Accordion's check interval, epochs (None: the run's)
     block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
+    open_ladder: bool = False  # the guarded rule: last rung open from the start, no decay wait
     tau: float | None = None  # the audit rule's error budget (None: its default)
     sync_every: int | None = None  # DiLoCo's H, inner steps per sync (None: every step, DDP)
     outer_lr: float | None = None  # DiLoCo's outer learning rate (None: its default, 0.7)
@@ -388,13 +390,14 @@ def _parse_communication(text: str, whole: str) -> Strategy:
             raise _malformed(whole)
         if set(options) - {"auto", "adam_noise"}:
             raise ValueError(
-                f"strategy {text!r}: a rule, interval or block needs an accordion strategy"
+                f"strategy {text!r}: a rule, interval, block or open needs an accordion strategy"
             )
         return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
     if len(items) < 2:
         raise _malformed(whole)
-    if "block" in options and options.get("rule", "guarded") != "guarded":
-        raise ValueError(f"strategy {text!r}: block=N is an option of the guarded rule")
+    for key, suffix in (("block", "block=N"), ("open_ladder", "open")):
+        if key in options and options.get("rule", "guarded") != "guarded":
+            raise ValueError(f"strategy {text!r}: {suffix} is an option of the guarded rule")
     if "tau" in options and options.get("rule") != "audit":
         raise ValueError(f"strategy {text!r}: tau=X is an option of the audit rule")
     return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
@@ -410,8 +413,8 @@ def _is_budget(value: str) -> bool:
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
-    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, ``block=N``, each
-    at most once."""
+    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, ``block=N``,
+    ``open``, each at most once."""
     counts = {"every": "interval", "block": "block"}  # suffix -> Strategy field
     options: dict[str, Any] = {}
     for item in items:
@@ -421,6 +424,8 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "auto", True
         elif item == "adam-noise":
             key, parsed = "adam_noise", True
+        elif item == "open":
+            key, parsed = "open_ladder", True
         elif item in RULES:
             key, parsed = "rule", item
         elif name in counts and value.isdigit() and int(value) >= 1:
@@ -433,7 +438,7 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
-                "block=decay or tau=X (0 < X <= 1)"
+                "block=decay, open or tau=X (0 < X <= 1)"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
