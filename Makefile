@@ -20,7 +20,8 @@ demo: $(STAMP)
 		accordion:powersgd:4,2,1 static:topk:0.99 static:topk:0.01 \
 		accordion:topk:0.99,0.01:paper accordion:topk:0.99,0.1,0.01 \
 		static:int:8 static:int:4 accordion:mixed:int/8,int/4 \
-		--baseline static:powersgd:4 static:topk:0.99 static:int:8 --out runs/demo
+		static:nq:3 accordion:mixed:nq/3,sparseloco/0.1,sparseloco/0.05,sparseloco/0.01 \
+		--baseline static:powersgd:4 static:topk:0.99 static:int:8 static:nq:3 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples checks
