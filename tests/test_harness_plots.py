@@ -387,3 +387,19 @@ def test_a_compressor_with_word_levels_plots_without_changes(monkeypatch, tmp_pa
         _assert_png(path)
     light, heavy = (plots.strategy_style(f"static:fake:{w}") for w in ("light", "heavy"))
     assert light["color"] != heavy["color"] and light["linestyle"] == "--"
+
+
+def test_a_long_strategy_is_wrapped_at_its_commas_for_a_title():
+    from accordion.harness.plots.common import TITLE_WIDTH, wrapped_strategy
+
+    strategy = "accordion:mixed:nq/3,sparseloco/0.1,sparseloco/0.05,sparseloco/0.01:open"
+    lines = wrapped_strategy(strategy).split("\n")
+    assert len(lines) > 1
+    assert all(len(line) <= TITLE_WIDTH for line in lines)
+    assert "".join(lines) == strategy
+
+
+def test_a_short_strategy_keeps_one_title_line():
+    from accordion.harness.plots.common import wrapped_strategy
+
+    assert wrapped_strategy("accordion:powersgd:4,2,1") == "accordion:powersgd:4,2,1"

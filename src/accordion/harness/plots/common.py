@@ -8,6 +8,7 @@ alone.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,22 @@ def context(results: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> st
         parts.append(f"{config['workers']} workers")
     parts.append(seeds_text(runs))
     return ", ".join(parts)
+
+
+#: The widest title line, in characters, that a figure shows whole.
+TITLE_WIDTH = 60
+
+
+def wrapped_strategy(strategy: str, width: int = TITLE_WIDTH) -> str:
+    """``strategy`` on lines of at most ``width`` characters for a title, broken after its
+    commas and colons (a long ladder would otherwise run off the figure)."""
+    lines, line = [], ""
+    for piece in re.findall(r"[^,:]+[,:]?", strategy):
+        if line and len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+    return "\n".join([*lines, line])
 
 
 def layer_order(dicts: Sequence[Any]) -> list[str]:

@@ -31,6 +31,7 @@ from .common import (
     save,
     seed_of,
     select_accordion,
+    wrapped_strategy,
 )
 
 # heatmap colours: the mildest rung warm and dark, the most aggressive cool and light, the
@@ -246,7 +247,8 @@ def plot_levels(results: Mapping[str, Any], path: str | Path, strategy: str | No
     ax.set_xlabel("epoch")
     ax.set_ylabel("layer (compressed tensor)")
     ax.set_title(
-        f"Compression level per layer and epoch: {strategy}\n{context(results, [run])}",
+        f"Compression level per layer and epoch:\n{wrapped_strategy(strategy)}\n"
+        f"{context(results, [run])}",
         pad=10,
     )
     ax.legend(handles=handles, fontsize=LEGEND_FONTSIZE, **LEGEND_OUTSIDE)

@@ -33,6 +33,7 @@ from .common import (
     seed_of,
     select_accordion,
     series,
+    wrapped_strategy,
 )
 
 _GREY = "0.35"  # the legend's markers that stand for every layer
@@ -241,7 +242,8 @@ def plot_norm_ratios(
     ax.set_ylabel("gradient-norm change ratio\n|D_old − D_new| / D_old" + (" (log)" if log else ""))
     ax.grid(alpha=0.3)
     ax.set_title(
-        f"Regime checks of {strategy}: norm change per layer\n{context(results, [run])}",
+        f"Regime checks, norm change per layer:\n{wrapped_strategy(strategy)}\n"
+        f"{context(results, [run])}",
         pad=10,
     )
     ax.legend(handles=handles, fontsize=LEGEND_FONTSIZE, **LEGEND_OUTSIDE)
