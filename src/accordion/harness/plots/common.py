@@ -165,7 +165,7 @@ def wrapped_strategy(strategy: str, width: int = TITLE_WIDTH) -> str:
     """``strategy`` on lines of at most ``width`` characters for a title, broken after its
     commas and colons (a long ladder would otherwise run off the figure)."""
     lines, line = [], ""
-    for piece in re.findall(r"[^,:]+[,:]?", strategy):
+    for piece in re.findall(r"[^,:]*[,:]|[^,:]+", strategy):  # every character kept
         if line and len(line) + len(piece) > width:
             lines.append(line)
             line = ""
