@@ -403,4 +403,9 @@ def test_a_short_strategy_keeps_one_title_line():
     from accordion.harness.plots.common import wrapped_strategy
 
     assert wrapped_strategy("accordion:powersgd:4,2,1") == "accordion:powersgd:4,2,1"
-    assert wrapped_strategy("a::b,,c") == "a::b,,c"  # no separator is lost
+
+
+def test_the_title_wrap_keeps_every_separator():
+    from accordion.harness.plots.common import wrapped_strategy
+
+    assert wrapped_strategy("a::b,,c") == "a::b,,c"

@@ -305,25 +305,27 @@ def test_a_guarded_strategy_names_its_block():
     assert parse_strategy("accordion:powersgd:4,2,1:guarded:block=3").block == 3
 
 
-def test_an_open_guarded_strategy_builds_a_rule_that_does_not_wait_for_a_decay(monkeypatch):
+def _attached_rule(monkeypatch, text):
+    """The rule ``attach_strategy`` hands ``AccordionState`` for strategy ``text``."""
     made = []
     monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
-    text = "accordion:mixed:nq/3,nq/2,sparseloco/0.03:open:block=4"
-    assert parse_strategy(text).open_ladder
     attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
                            _HookRecorder())  # fmt: skip
     (kwargs,) = made
-    assert (kwargs["rule"].name, kwargs["rule"].wait_for_decay) == ("guarded", False)
-    assert kwargs["rule"].block == 4
+    return kwargs["rule"]
+
+
+def test_an_open_guarded_strategy_builds_a_rule_that_does_not_wait_for_a_decay(monkeypatch):
+    text = "accordion:mixed:nq/3,nq/2,sparseloco/0.03:open:block=4"
+    assert parse_strategy(text).open_ladder
+    rule = _attached_rule(monkeypatch, text)
+    assert (rule.name, rule.wait_for_decay) == ("guarded", False)
+    assert rule.block == 4
 
 
 def test_a_guarded_strategy_waits_for_a_decay_unless_open(monkeypatch):
-    made = []
-    monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
     text = "accordion:mixed:nq/3,nq/2,sparseloco/0.03:guarded"
-    attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
-                           _HookRecorder())  # fmt: skip
-    assert made[0]["rule"].wait_for_decay
+    assert _attached_rule(monkeypatch, text).wait_for_decay
 
 
 @pytest.mark.parametrize(
@@ -333,13 +335,9 @@ def test_a_guarded_strategy_waits_for_a_decay_unless_open(monkeypatch):
      ("accordion:powersgd:4,1:paper", "paper", "none")],
 )  # fmt: skip
 def test_attach_strategy_builds_the_named_rule_with_its_block(monkeypatch, text, rule, block):
-    made = []
-    monkeypatch.setattr(attach, "AccordionState", lambda model, **kwargs: made.append(kwargs))
-    attach.attach_strategy(TrainConfig(strategy=text), parse_strategy(text), nn.Linear(2, 2),
-                           _HookRecorder())  # fmt: skip
-    (kwargs,) = made
-    assert kwargs["rule"].name == rule
-    assert getattr(kwargs["rule"], "block", "none") == block
+    built = _attached_rule(monkeypatch, text)
+    assert built.name == rule
+    assert getattr(built, "block", "none") == block
 
 
 @pytest.mark.parametrize(("text", "level"), [("torch-fp16", "fp16"), ("torch-bf16", "bf16")])
