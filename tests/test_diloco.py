@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -523,3 +524,28 @@ def test_a_bad_error_decay_is_refused_naming_it(value, error):
     net = _net()
     with pytest.raises(error, match="error_decay"):
         DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, error_decay=value)
+
+
+def test_an_outer_momentum_on_an_inner_sgd_momentum_warns():
+    net = _net()
+    with pytest.warns(UserWarning, match="stacks on the inner SGD's momentum 0.9"):
+        DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), 4)
+
+
+@pytest.mark.parametrize("inner_momentum, outer", [
+    (0.9, lambda ps: torch.optim.SGD(ps, lr=1.0)),  # the plain average
+    (0.0, None),  # no inner momentum: DiLoCo's default outer step
+])
+def test_one_momentum_alone_does_not_warn(inner_momentum, outer):
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1, momentum=inner_momentum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DiLoCo(net, inner, 4, outer_optimizer=outer)
+
+
+def test_an_inner_adamw_with_the_default_outer_step_does_not_warn():
+    net = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=1e-3), 4)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -59,6 +60,25 @@ WARMUP_WINDOW = 25
 def default_outer_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """SGD with Nesterov momentum, lr :data:`OUTER_LR`, momentum :data:`OUTER_MOMENTUM`."""
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+def _sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
+    """The largest momentum of an SGD optimiser's groups (0 for any other optimiser)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    return max(float(group.get("momentum", 0.0)) for group in optimizer.param_groups)
+
+
+def _warn_stacked_momentum(inner: torch.optim.Optimizer, outer: torch.optim.Optimizer) -> None:
+    """Warn when an outer SGD's momentum stacks on an inner SGD's: on MNIST-1D's CNNs the
+    two together stalled training at chance (``docs/diloco.md``)."""
+    inner_m, outer_m = _sgd_momentum(inner), _sgd_momentum(outer)
+    if inner_m > 0 and outer_m > 0:
+        warnings.warn(f"DiLoCo: the outer SGD's momentum {outer_m} stacks on the inner SGD's "
+                      f"momentum {inner_m}; on MNIST-1D CNNs the two together stalled "
+                      "training at chance (docs/diloco.md). With an inner SGD with momentum, "
+                      "pass outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), the "
+                      "replicas' plain average (local SGD)", UserWarning, stacklevel=3)
 
 
 class DiLoCo:
@@ -88,7 +108,11 @@ class DiLoCo:
             ``Controller(model, "dense", interval_unit="step")``, over the default group
             (refused for a DDP model: see ``model``).
         outer_optimizer: a callable building the outer optimiser from the parameters.
-            Default: :func:`default_outer_optimizer`.
+            Default: :func:`default_outer_optimizer`, for an inner AdamW. With an inner
+            SGD with momentum pass ``lambda ps: torch.optim.SGD(ps, lr=1.0)``, the
+            replicas' plain average (local SGD): an outer momentum on top of the inner
+            one stalled MNIST-1D CNNs at chance, and is a ``UserWarning``
+            (``docs/diloco.md``).
         warmup_steps: inner steps of data-parallel training before the first round (an
             int >= 0, default 0): each of them averages the gradients, through
             ``warmup_state``, before the inner step (a pre-hook on ``inner_optimizer``), so
@@ -179,6 +203,7 @@ class DiLoCo:
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, "
                             f"got {type(self.outer).__name__}")  # fmt: skip
+        _warn_stacked_momentum(inner_optimizer, self.outer)
         # fp32: H small steps summed in bf16 would round away
         self._anchor = [p.detach().float().clone() for p in self.params]
         #: Inner steps taken so far, and outer steps (rounds).
