@@ -21,7 +21,7 @@ demo: $(STAMP)
 		accordion:topk:0.99,0.01:paper accordion:topk:0.99,0.1,0.01 \
 		static:int:8 static:int:4 accordion:mixed:int/8,int/4 \
 		static:nq:3 accordion:mixed:nq/3,sparseloco/0.1,sparseloco/0.05,sparseloco/0.01 \
-		diloco:10:lr=1:momentum=0+static:int:2 \
+		diloco:10:lr=1:momentum=0+static:int:2 diloco:400:lr=1:momentum=0+static:int:4 \
 		--baseline static:powersgd:4 static:topk:0.99 static:int:8 static:nq:3 --out runs/demo
 
 test: $(STAMP)
