@@ -12,8 +12,11 @@ momentum buffers stay local, as in the harness). At each sync it records the rou
   parameters' change over the round): 0 when the replicas moved alike, 1 when their
   moves were orthogonal and of one length;
 * ``norm``: ``|(d0 + d1) / 2|``, and the learning rate at the round's start;
+* ``replica_loss`` and ``penalty``: the replicas' mean loss on the first ``PROBE``
+  training samples, and the average's loss there minus it (below 0: averaging helped);
 
-and, at the end, the test accuracy of the averaged model. Everything goes to
+and, at the end, the test accuracy of worker 0's parameters (the last sync's, plus the
+steps after it). Everything goes to
 ``docs/results/round_drift_mnist1d.json``.
 
     PYTHONPATH=src .venv/bin/python benchmarks/rule_signals/round_drift.py [seeds]
@@ -34,6 +37,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from accordion.harness.config import TrainConfig
 from accordion.harness.data import load_task
@@ -62,11 +66,13 @@ OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "round_drift_mn
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """The parameters as one detached vector."""
+    return parameters_to_vector(model.parameters()).detach()
 
 
 def load_flat(model: torch.nn.Module, vector: torch.Tensor) -> None:
-    """Copy ``vector`` into the parameters (each model keeps storage of its own)."""
+    """Copy ``vector`` into the parameters (each model keeps storage of its own:
+    ``vector_to_parameters`` would make both replicas views of one tensor)."""
     params = list(model.parameters())
     with torch.no_grad():
         for p, part in zip(params, vector.split([p.numel() for p in params])):
