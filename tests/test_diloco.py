@@ -174,6 +174,34 @@ def test_a_run_resumed_from_its_state_dict_ends_bitwise_equal_to_a_straight_run(
     assert rounds == rounds2 == 4
 
 
+def _loaded_dict_kept(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    diloco = DiLoCo(net, inner, 2)
+    for step in range(4):  # two rounds: the outer Nesterov momentum is set
+        _inner_step(net, inner, rank, step)
+        diloco.step()
+    saved = diloco.state_dict()
+    snapshot = copy.deepcopy(saved)
+    net2 = _net()
+    inner2 = torch.optim.AdamW(net2.parameters(), lr=1e-2)
+    resumed = DiLoCo(net2, inner2, 2)
+    resumed.load_state_dict(saved)
+    for step in range(4, 6):
+        _inner_step(net2, inner2, rank, step)
+        resumed.step()
+    buffers = [(saved["outer"]["state"][i]["momentum_buffer"],
+                snapshot["outer"]["state"][i]["momentum_buffer"]) for i in saved["outer"]["state"]]
+    if rank == 0:
+        torch.save(all(torch.equal(a, b) for a, b in buffers), out)
+
+
+def test_a_run_resumed_from_a_state_dict_leaves_that_dict_unchanged(tmp_path):
+    out = tmp_path / "kept.pt"
+    run_processes(_loaded_dict_kept, 2, str(out))
+    assert torch.load(out) is True
+
+
 # --- defaults and bad arguments -----------------------------------------------------------
 
 

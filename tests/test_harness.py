@@ -120,6 +120,18 @@ def test_diloco_rounds_that_grow_or_shrink_with_the_rate_follow_its_decay(tmp_pa
     assert sent[shrunk] == pytest.approx(sent[fixed], rel=1e-9)  # 6 rounds each
 
 
+def test_diloco_final_1_syncs_once_more_after_the_last_step_when_a_round_was_cut_short(tmp_path):
+    # 12 steps: H = 5 leaves steps 11-12 unsynced, H = 4 ends on a sync
+    names = ["diloco:5", "diloco:5:final=1", "diloco:4", "diloco:4:final=1"]
+    results = run_compare(TrainConfig(**TINY), names, seeds=1, workers=1, out=tmp_path)
+    runs = {r["strategy"]: r for r in results["runs"]}
+    assert [runs[n]["diloco"]["rounds"] for n in names] == [2, 3, 3, 3]
+    sent = {n: [e["bytes"] for e in runs[n]["epochs"]] for n in names}
+    assert sent["diloco:5:final=1"][:2] == sent["diloco:5"][:2]  # only the last epoch's end
+    assert sent["diloco:5:final=1"][-1] == pytest.approx(sent["diloco:5"][-1] * 3 / 2, rel=1e-9)
+    assert sent["diloco:4:final=1"] == sent["diloco:4"]
+
+
 def test_a_diloco_warmup_ended_by_its_norm_test_sends_less_and_records_where(tmp_path):
     # no learning-rate warm-up: a window in which the rate rises is never calm
     config = TrainConfig(**{**TINY, "interval_unit": "step", "interval": 2, "warmup_epochs": 0})

@@ -415,10 +415,17 @@ def test_diloco_without_options_keeps_dilocos_outer_defaults_and_momentum_0_is_p
                                     "warmup=4:warmup-with=int4", "warmup=4:warmup-eta=0",
                                     "warmup=4:warmup-eta=nan", "warmup=4:warmup-eta=x",
                                     "fragments=0", "fragments=1.5", "delay=-1", "mix=1.5",
-                                    "mix=x", "ef-decay=1.1", "ef-decay=-1"])
+                                    "mix=x", "ef-decay=1.1", "ef-decay=-1", "final=2",
+                                    "final=yes", "final=1:final=1"])
 def test_a_bad_diloco_option_is_a_value_error_naming_the_allowed_ones(option):
     with pytest.raises(ValueError, match=re.escape("takes the options lr=... (the outer")):
         parse_strategy(f"diloco:5:{option}")
+
+
+def test_diloco_final_1_asks_for_a_last_sync_and_none_is_the_default():
+    assert parse_strategy("diloco:400:lr=1:momentum=0:final=1+static:int:4").final_sync is True
+    assert parse_strategy("diloco:400:final=0").final_sync is False
+    assert parse_strategy("diloco:400").final_sync is False
 
 
 def test_diloco_warmup_options_set_the_data_parallel_steps_and_their_bits():

@@ -51,7 +51,8 @@ from .diloco_warmup import WarmupEnd
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 _STATE_KEYS = frozenset({"inner_steps", "rounds", "anchor", "outer", "state", "warmup_state",
                          "warmup_end", "warmup_test"})  # fmt: skip
-_OPTIONAL_KEYS = frozenset({"schedule"})  # files saved before rounds could grow lack it
+# files saved before rounds could grow, or before finish(), lack these
+_OPTIONAL_KEYS = frozenset({"schedule", "synced_at"})
 _DDP = nn.parallel.DistributedDataParallel
 #: Inner steps per window of the warm-up's norm test, by default.
 WARMUP_WINDOW = 25
@@ -208,6 +209,7 @@ class DiLoCo:
         self._anchor = [p.detach().float().clone() for p in self.params]
         #: Inner steps taken so far, and outer steps (rounds).
         self.inner_steps, self.rounds = 0, 0
+        self._synced_at = 0  # the inner step at which the replicas were last equal
         if self.warmup_state is not None:
             inner_optimizer.register_step_pre_hook(self._average_in_warmup)
 
@@ -235,6 +237,7 @@ class DiLoCo:
             self.schedule.observe(self.inner.param_groups[0]["lr"])
         if self.warmup_state is not None and self.in_warmup:
             self.inner_steps += 1
+            self._synced_at = self.inner_steps
             self.warmup_state.end_step(self.inner)
             with torch.no_grad():  # the replicas are equal: the next round starts here
                 for p, anchor in zip(self.params, self._anchor):
@@ -263,6 +266,22 @@ class DiLoCo:
         return (sum(ledger.total_floats for ledger in ledgers),
                 sum(ledger.total_bytes for ledger in ledgers))  # fmt: skip
 
+    @property
+    def unsynced_steps(self) -> int:
+        """Inner steps each worker has taken since the replicas were last equal (0 right
+        after a sync or a warm-up step): what :meth:`finish` would still average in."""
+        return self.inner_steps - self._synced_at
+
+    def finish(self) -> bool:
+        """The last outer step, after the loop: sync now (collective) unless no inner step
+        was taken since the last sync, so that the final model holds every worker's last
+        steps; without it a round cut short by the end of training is never averaged, and
+        :meth:`synced` shows the sync before. Returns whether it synced."""
+        if not self.unsynced_steps:
+            return False
+        self.sync()
+        return True
+
     @torch.no_grad()
     def sync(self) -> None:
         """The outer step now: average the pseudo-gradients through :attr:`state`, move
@@ -272,6 +291,7 @@ class DiLoCo:
         self.state.transport().run(self.state.reduce(keys, grads))
         self._outer_step(index, grads)
         self.rounds += 1
+        self._synced_at = self.inner_steps
         self.state.end_step(self.inner)  # the schedule that matters is the inner one
 
     def _pseudo_gradients(self, index: list[int]) -> tuple[list[str], list[torch.Tensor]]:
@@ -347,7 +367,7 @@ class DiLoCo:
                 "warmup_test": None if self.warmup_test is None
                 else self.warmup_test.state_dict(),
                 "schedule": self.schedule.state_dict() if self.schedule.growth
-                else None}  # fmt: skip
+                else None, "synced_at": self._synced_at}  # fmt: skip
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a missing key, an anchor of other shapes, an outer
@@ -355,7 +375,9 @@ class DiLoCo:
         ``ValueError``, and leaves everything as it was."""
         check_state_keys(saved, self._state_keys, type(self).__name__, _OPTIONAL_KEYS)
         _check_saved(self, saved)
-        parts: list[tuple[Any, Any]] = [(self.outer, saved["outer"]), (self.state, saved["state"])]
+        # torch's optimiser keeps the given tensors: stepping would change the caller's dict
+        outer = copy.deepcopy(saved["outer"])
+        parts: list[tuple[Any, Any]] = [(self.outer, outer), (self.state, saved["state"])]
         if self.warmup_state is not None:
             parts.append((self.warmup_state, saved["warmup_state"]))
         if self.warmup_test is not None:
@@ -367,6 +389,16 @@ class DiLoCo:
             mine.copy_(theirs)
         self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
         self.warmup_end = saved["warmup_end"]
+        self._synced_at = saved.get("synced_at", self._derived_synced_at())
+
+    def _derived_synced_at(self) -> int:
+        """For a file saved before ``synced_at`` was: the last round's end with a fixed H
+        (``rounds`` whole rounds after the warm-up), the schedule's last round start with
+        growing rounds."""
+        warmup = min(self.inner_steps, self.warmup_length)
+        if self.schedule.growth:
+            return warmup + self.schedule.state_dict()["start"]
+        return min(self.inner_steps, warmup + self.rounds * self.sync_every)
 
 
 def _check_saved(diloco: DiLoCo, saved: Mapping[str, Any]) -> None:
@@ -395,6 +427,11 @@ def _check_saved(diloco: DiLoCo, saved: Mapping[str, Any]) -> None:
                             or not 1 <= end <= top):  # fmt: skip
         raise ValueError(f"warmup_end must be None or an int in [1, {top}] (an early end "
                          f"needs warmup_eta), got {end!r}")  # fmt: skip
+    synced_at = saved.get("synced_at", 0)
+    if (isinstance(synced_at, bool) or not isinstance(synced_at, int)
+            or not 0 <= synced_at <= saved["inner_steps"]):  # fmt: skip
+        raise ValueError(f"synced_at must be an int in [0, inner_steps={saved['inner_steps']}],"
+                         f" got {synced_at!r}")  # fmt: skip
     growth = diloco.schedule.growth
     if (saved.get("schedule") is None) != (not growth):
         raise ValueError(f"schedule must be {'a state dict' if growth else 'None'} for a "

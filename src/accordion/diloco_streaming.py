@@ -183,6 +183,8 @@ class StreamingDiLoCo(DiLoCo):
         self._outer_step(index, pending.grads)
         for i, mine in zip(index, local):
             self.params[i].lerp_(mine, self.mix)  # (1 - mix) * outer + mix * local
+        if len(self.fragments) == 1 and not self.mix:  # the outer result alone: all equal
+            self._synced_at = self.inner_steps
         if fragment == len(self.fragments) - 1:
             self.rounds += 1
             self.state.end_step(self.inner)
@@ -193,6 +195,13 @@ class StreamingDiLoCo(DiLoCo):
         if self._pending is not None:
             self._land(self._pending.fragment)
         super().sync()
+
+    def _derived_synced_at(self) -> int:
+        """As :meth:`DiLoCo._derived_synced_at`; with fragments landing apart, or mixed
+        with the worker's own, the replicas were last equal in the warm-up."""
+        if len(self.fragments) > 1 or self.mix:
+            return min(self.inner_steps, self.warmup_length)
+        return super()._derived_synced_at()
 
     def wait(self) -> None:
         """Wait until a fragment in flight is averaged (it still lands at its step)."""

@@ -76,6 +76,8 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
         run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
         run.device, run.traffic, batch, controller, state=state, diloco=run.diloco,
     )  # fmt: skip
+    if run.diloco is not None and run.strategy.final_sync and epoch == config.epochs - 1:
+        run.diloco.finish()  # the last round, cut short by the end: averaged and scored
     train_time += time.perf_counter() - start
     next_lr = config.lr_at(epoch + 1)
     if state is not None and state.interval_unit == "epoch":

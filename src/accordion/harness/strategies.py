@@ -65,7 +65,9 @@ corrects the inner AdamW for the compressed warm-up's noise
 round that starts at inner rate lr H (peak lr / lr) ** P steps long, within ``min=N`` and
 ``max=N`` (:class:`accordion.diloco_schedule.SyncSchedule`): longer as the rate decays with
 P > 0, e.g. ``diloco:12:grow=2:max=60+static:int:2``, shorter with P < 0, e.g.
-``diloco:50:grow=-1:min=20+static:int:2``.
+``diloco:50:grow=-1:min=20+static:int:2``. ``final=1`` adds one last sync after the last
+inner step (:meth:`accordion.DiLoCo.finish`), so the scored model holds every worker's
+steps; without it (``final=0``, the default) the model scored is the last round's end.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ FORMATS = (
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
     "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
-    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:grow=P][:min=N][:max=N][:adam-noise]",
+    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:grow=P][:min=N][:max=N][:final=1]"
+    "[:adam-noise]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -151,6 +154,7 @@ class Strategy:
     sync_growth: float = 0.0  # DiLoCo's rounds scale by (peak lr / lr) ** this (0: fixed H)
     min_sync_every: int | None = None  # the shortest round then (None: the schedule's default)
     max_sync_every: int | None = None  # the longest (None: the schedule's default)
+    final_sync: bool = False  # DiLoCo: one last sync after training (DiLoCo.finish)
 
     @property
     def streams(self) -> bool:
@@ -315,6 +319,8 @@ _DILOCO_OPTIONS = {
              "finite (> 0 longer as the rate decays, < 0 shorter)"),
     "min": ("min_sync_every", int, "the shortest round with grow=, an int in [1, H]"),
     "max": ("max_sync_every", int, "the longest round with grow=, an int >= H"),
+    "final": ("final_sync", int, "1: one last sync after the last inner step, so the "
+              "scored model holds every step; 0: none, the last round's end (default)"),
 }
 
 
@@ -330,7 +336,8 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
     ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
           "warmup-eta": positive, "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
           "mix": lambda v: 0 <= v <= 1, "ef-decay": lambda v: 0 <= v <= 1,
-          "grow": math.isfinite, "min": lambda v: v >= 1, "max": lambda v: v >= 1}[key]  # fmt: skip
+          "grow": math.isfinite, "min": lambda v: v >= 1, "max": lambda v: v >= 1,
+          "final": lambda v: v in (0, 1)}[key]  # fmt: skip
     return value if ok(value) else None
 
 
@@ -348,6 +355,8 @@ def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
             raise ValueError(f"strategy {whole!r}: diloco:H takes the options {allowed}; "
                              f"adam-noise; each once; got {option!r}")  # fmt: skip
         found[_DILOCO_OPTIONS[key][0]] = value
+    if "final_sync" in found:
+        found["final_sync"] = bool(found["final_sync"])
     for name, option in (("warmup_with", "warmup-with"), ("warmup_eta", "warmup-eta")):
         if name in found and not found.get("warmup_steps"):
             raise ValueError(f"strategy {whole!r}: {option} needs warmup=N with N >= 1")
