@@ -120,6 +120,10 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"sync_growth={kwargs['sync_growth']!r}: StreamingDiLoCo's "
                              "fragments land at a fixed gap, H / F; its rounds do not "
                              "change length")  # fmt: skip
+        if kwargs.get("warmup_sync_every", 1) != 1:
+            raise ValueError(f"warmup_sync_every={kwargs['warmup_sync_every']!r}: "
+                             "StreamingDiLoCo syncs fragments, not whole rounds; its warm-up "
+                             "averages every step (warmup_sync_every=1)")  # fmt: skip
         super().__init__(model, inner_optimizer, sync_every, **kwargs)
         #: Each fragment's indices into :attr:`params`.
         self.fragments = self._checked_fragments(fragments)

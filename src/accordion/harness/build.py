@@ -68,6 +68,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
                       warmup_steps=strategy.warmup_steps,
                       warmup_state=_warmup_state(strategy, model, config.seed),
                       warmup_eta=strategy.warmup_eta, warmup_window=_warmup_window(config),
+                      warmup_sync_every=strategy.warmup_sync_every,
                       error_decay=strategy.error_decay, sync_growth=strategy.sync_growth,
                       min_sync_every=strategy.min_sync_every,
                       max_sync_every=strategy.max_sync_every, **streaming)  # fmt: skip

@@ -54,7 +54,11 @@ momentum (default DiLoCo's 0.7 and 0.9), e.g. ``diloco:10:lr=1.0:momentum=0.8+st
 or compressed by ``warmup-with=NAME/LEVEL``, e.g. ``int/4`` or ``powersgd/4``) before the
 first round; ``warmup-eta=X`` lets the paper's norm test end it sooner, at the first
 window (the run's ``interval`` steps; 25 when it counts epochs) whose gradient norm
-changed by less than X. ``fragments=F`` streams the sync (:class:`accordion.StreamingDiLoCo`):
+changed by less than X. ``warmup-every=K`` makes the warm-up rounds of K steps instead of
+data-parallel steps, compressed as the rounds after it and landing as the replicas' plain
+average (the norm test then reads each worker's own gradients), e.g.
+``diloco:15:lr=0.5:warmup=180:warmup-eta=0.5:warmup-every=4+static:int:2``.
+``fragments=F`` streams the sync (:class:`accordion.StreamingDiLoCo`):
 F fragments of the model in turn, one every H / F steps (H a multiple of F); ``delay=T``
 overlaps each with the next T inner steps (T < H / F), and ``mix=A`` keeps A of the
 worker's own parameters when it lands, e.g. ``diloco:10:fragments=2:delay=1+static:int:2``.
@@ -98,8 +102,8 @@ FORMATS = (
     "batch-fixed:SMALL,LARGE",
     "<batch strategy>+<compression strategy>",
     "diloco:H[:lr=X][:momentum=M][:warmup=N][:warmup-with=NAME/LEVEL][:warmup-eta=X]"
-    "[:fragments=F][:delay=T][:mix=A][:ef-decay=B][:grow=P][:min=N][:max=N][:final=1]"
-    "[:adam-noise]",
+    "[:warmup-every=K][:fragments=F][:delay=T][:mix=A][:ef-decay=B][:grow=P][:min=N]"
+    "[:max=N][:final=1][:adam-noise]",
     "diloco:H[:OPTIONS]+<static or accordion strategy>",
 )
 BATCH_MODES = {"static-batch": "static", "batch": "adaptive", "batch-fixed": "fixed"}
@@ -146,6 +150,7 @@ class Strategy:
     warmup_steps: int = 0  # DiLoCo's data-parallel steps before the first round
     warmup_with: str | None = None  # their compressor, a mixed rung "int/4" (None: dense)
     warmup_eta: float | None = None  # the norm test that may end it sooner (None: fixed)
+    warmup_sync_every: int = 1  # the warm-up's steps per sync (1: data-parallel; K: rounds)
     fragments: int = 1  # Streaming DiLoCo's fragments, synced in turn (1: all at once)
     delay: int = 0  # inner steps each fragment's average overlaps
     mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
@@ -295,9 +300,12 @@ def _check_growth(h: int, found: dict[str, Any], whole: str) -> None:
     if (low is not None and low > h) or (top is not None and top < h):
         raise ValueError(f"strategy {whole!r}: the rounds' bounds must hold H = {h}: "
                          f"min={low} <= H <= max={top}")  # fmt: skip
-    if grow and any(k in found for k in ("fragments", "delay", "mix")):
-        raise ValueError(f"strategy {whole!r}: grow= changes whole rounds; streamed "
-                         "fragments (fragments=, delay=, mix=) land at a fixed gap")  # fmt: skip
+    short_warmup = found.get("warmup_sync_every", 1) > 1
+    for option, changes in (("grow=", grow), ("warmup-every=", short_warmup)):
+        if changes and any(k in found for k in ("fragments", "delay", "mix")):
+            raise ValueError(f"strategy {whole!r}: {option} changes whole rounds; streamed "
+                             "fragments (fragments=, delay=, mix=) land at a fixed "
+                             "gap")  # fmt: skip
 
 
 #: DiLoCo's options after H: name -> (Strategy field, parse, what is allowed).
@@ -309,6 +317,9 @@ _DILOCO_OPTIONS = {
                     "as a mixed ladder's rung reads it: int/4, powersgd/4, half/bf16"),
     "warmup-eta": ("warmup_eta", float, "the norm test's threshold that may end the warm-up "
                    "sooner, > 0"),
+    "warmup-every": ("warmup_sync_every", int, "the warm-up's inner steps per sync, an int "
+                     ">= 1 (1: every step's gradients; K: rounds of K, compressed as the "
+                     "rounds after it)"),
     "fragments": ("fragments", int, "fragments synced in turn, an int >= 1 dividing H"),
     "delay": ("delay", int, "inner steps each fragment's average overlaps, an int in "
               "[0, H / fragments)"),
@@ -334,7 +345,8 @@ def _diloco_value(key: str, text: str) -> float | int | str | None:
         return None
     positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731 - one of the table's checks
     ok = {"lr": positive, "momentum": lambda v: 0 <= v < 1, "warmup": lambda v: v >= 0,
-          "warmup-eta": positive, "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
+          "warmup-eta": positive, "warmup-every": lambda v: v >= 1,
+          "fragments": lambda v: v >= 1, "delay": lambda v: v >= 0,
           "mix": lambda v: 0 <= v <= 1, "ef-decay": lambda v: 0 <= v <= 1,
           "grow": math.isfinite, "min": lambda v: v >= 1, "max": lambda v: v >= 1,
           "final": lambda v: v in (0, 1)}[key]  # fmt: skip
@@ -357,9 +369,13 @@ def _diloco_options(options: list[str], whole: str) -> dict[str, Any]:
         found[_DILOCO_OPTIONS[key][0]] = value
     if "final_sync" in found:
         found["final_sync"] = bool(found["final_sync"])
-    for name, option in (("warmup_with", "warmup-with"), ("warmup_eta", "warmup-eta")):
+    for name, option in (("warmup_with", "warmup-with"), ("warmup_eta", "warmup-eta"),
+                         ("warmup_sync_every", "warmup-every")):  # fmt: skip
         if name in found and not found.get("warmup_steps"):
             raise ValueError(f"strategy {whole!r}: {option} needs warmup=N with N >= 1")
+    if found.get("warmup_sync_every", 1) > 1 and "warmup_with" in found:
+        raise ValueError(f"strategy {whole!r}: warmup-every=K > 1 makes the warm-up rounds, "
+                         "compressed as the rounds after it: it takes no warmup-with")  # fmt: skip
     if "adam_noise" in found and "warmup_with" not in found:
         raise ValueError(f"strategy {whole!r}: adam-noise corrects the warm-up's AdamW for "
                          "its compression: it needs warmup-with=NAME/LEVEL")  # fmt: skip
