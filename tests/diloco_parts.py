@@ -1,6 +1,10 @@
-"""The small model, per-rank data and inner step that the DiLoCo tests share."""
+"""The small model, per-rank data, inner step and straight-or-resumed run that the DiLoCo
+tests share."""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,3 +28,24 @@ def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, st
     optimizer.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
+
+
+def straight_and_resumed(build: Callable[[], tuple], rank: int, steps: int,
+                         save_after: int) -> tuple[tuple, tuple]:  # fmt: skip
+    """A straight run of ``steps`` inner steps of ``build()``'s ``(net, inner, diloco)``,
+    and one rebuilt by ``build()`` from the state dicts saved after step ``save_after``
+    (0-based) that takes the rest: ``((net, diloco), (net2, diloco2))``."""
+    net, inner, diloco = build()
+    saved = None
+    for step in range(steps):
+        inner_step(net, inner, rank, step)
+        diloco.step()
+        if step == save_after:
+            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
+    net2, inner2, diloco2 = build()
+    for part, state in zip((net2, inner2, diloco2), saved):
+        part.load_state_dict(state)
+    for step in range(save_after + 1, steps):
+        inner_step(net2, inner2, rank, step)
+        diloco2.step()
+    return (net, diloco), (net2, diloco2)

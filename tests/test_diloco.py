@@ -135,25 +135,6 @@ def test_an_int4_sync_sends_less_than_a_dense_one_and_keeps_its_error_for_the_ne
 # --- resume -------------------------------------------------------------------------------
 
 
-def _straight_and_resumed(build, rank: int, steps: int, save_after: int):
-    """A straight run of ``steps`` inner steps, and one rebuilt by ``build()`` from the
-    state dicts saved after step ``save_after`` (0-based) that takes the rest."""
-    net, inner, diloco = build()
-    saved = None
-    for step in range(steps):
-        _inner_step(net, inner, rank, step)
-        diloco.step()
-        if step == save_after:
-            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
-    net2, inner2, diloco2 = build()
-    for part, state in zip((net2, inner2, diloco2), saved):
-        part.load_state_dict(state)
-    for step in range(save_after + 1, steps):
-        _inner_step(net2, inner2, rank, step)
-        diloco2.step()
-    return (net, diloco), (net2, diloco2)
-
-
 def _resume(rank: int, world: int, out: str) -> None:
     def build():
         net = _net()
@@ -161,7 +142,7 @@ def _resume(rank: int, world: int, out: str) -> None:
         state = Controller(net, "int", levels=(8, 4), interval=1, interval_unit="step")
         return net, inner, DiLoCo(net, inner, 2, state=state)
 
-    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 8, 3)
+    (net, diloco), (net2, diloco2) = diloco_parts.straight_and_resumed(build, rank, 8, 3)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.rounds, diloco2.rounds), out)
 
@@ -370,7 +351,7 @@ def _resume_in_warmup(rank: int, world: int, out: str) -> None:
         return net, inner, DiLoCo(net, inner, 2, warmup_steps=3, warmup_state=warm)
 
     # saved after the second step: inside the warm-up
-    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 7, 1)
+    (net, diloco), (net2, diloco2) = diloco_parts.straight_and_resumed(build, rank, 7, 1)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.sent(), diloco2.sent()), out)
 
@@ -483,7 +464,7 @@ def _resume_mid_window(rank: int, world: int, out: str) -> None:
                                   warmup_window=2)  # fmt: skip
 
     # saved after the third step: one step into the second window
-    (net, diloco), (net2, diloco2) = _straight_and_resumed(build, rank, 8, 2)
+    (net, diloco), (net2, diloco2) = diloco_parts.straight_and_resumed(build, rank, 8, 2)
     if rank == 0:
         torch.save((_flat(net), _flat(net2), diloco.warmup_end, diloco2.warmup_end), out)
 

@@ -3,8 +3,6 @@ each landing as the replicas' plain average, then the rounds of H; real gloo pro
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -99,18 +97,8 @@ def _resumed(rank: int, world: int, out: str) -> None:
         inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
         return net, inner, DiLoCo(net, inner, 3, warmup_steps=6, warmup_sync_every=2)
 
-    net, inner, diloco = build()
-    for step in range(9):
-        _inner_step(net, inner, rank, step)
-        diloco.step()
-        if step == 2:  # inside the warm-up, between two of its syncs
-            saved = copy.deepcopy((net.state_dict(), inner.state_dict(), diloco.state_dict()))
-    net2, inner2, diloco2 = build()
-    for part, state in zip((net2, inner2, diloco2), saved):
-        part.load_state_dict(state)
-    for step in range(3, 9):
-        _inner_step(net2, inner2, rank, step)
-        diloco2.step()
+    # saved after step 2: inside the warm-up, between two of its syncs
+    (net, _), (net2, _) = diloco_parts.straight_and_resumed(build, rank, 9, 2)
     if rank == 0:
         torch.save((_flat(net), _flat(net2)), out)
 
