@@ -45,7 +45,7 @@ from torch import nn
 from ._validate import check_int, check_number, check_state_keys
 from .controller import Controller
 from .diloco_schedule import SyncSchedule
-from .diloco_warmup import WarmupEnd
+from .diloco_warmup import WarmupEnd, WarmupSteps
 
 #: DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr and momentum).
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -82,7 +82,7 @@ def _warn_stacked_momentum(inner: torch.optim.Optimizer, outer: torch.optim.Opti
                       "replicas' plain average (local SGD)", UserWarning, stacklevel=3)
 
 
-class DiLoCo:
+class DiLoCo(WarmupSteps):
     """Inner steps without communication, and every ``sync_every`` of them an outer step
     on the averaged (compressed) pseudo-gradient.
 
@@ -227,62 +227,15 @@ class DiLoCo:
         elif self.warmup_test is not None:  # short rounds: the test sums each worker's own
             inner_optimizer.register_step_pre_hook(self._sum_in_warmup)
 
-    @property
-    def warmup_length(self) -> int:
-        """The warm-up's inner steps: :attr:`warmup_end` once the test ended it, else
-        ``warmup_steps``."""
-        return self.warmup_steps if self.warmup_end is None else self.warmup_end
-
-    @property
-    def in_warmup(self) -> bool:
-        """Whether the next inner step is a data-parallel warm-up step."""
-        return self.inner_steps < self.warmup_length
-
-    def _average_in_warmup(self, *_: Any) -> None:
-        if self.warmup_state is not None and self.in_warmup:
-            self.warmup_state.reduce_gradients(self.params)  # collective
-            if self.warmup_test is not None:
-                self.warmup_test.add(self.params)
-
-    def _sum_in_warmup(self, *_: Any) -> None:
-        if self.warmup_test is not None and self.in_warmup:
-            self.warmup_test.add(self.params)
-
     def step(self) -> bool:
         """Count one inner step; at the end of a round, sync (collective). Returns
         whether this call synced."""
         if self.schedule.growth:  # the schedule's rate: alike on every rank
             self.schedule.observe(self.inner.param_groups[0]["lr"])
-        if self.warmup_sync_every > 1 and self.in_warmup:
-            return self._warmup_round_step()
-        if self.warmup_state is not None and self.in_warmup:
-            self.inner_steps += 1
-            self._synced_at = self.inner_steps
-            self.warmup_state.end_step(self.inner)
-            with torch.no_grad():  # the replicas are equal: the next round starts here
-                for p, anchor in zip(self.params, self._anchor):
-                    anchor.copy_(p)
-            if self.warmup_test is not None:  # the test's transport and lr only with a test
-                lr = self.inner.param_groups[0]["lr"]  # the schedule's, alike on every rank
-                transport = self.warmup_state.transport()
-                if self.warmup_test.calm_after(self.inner_steps, transport, lr):
-                    self.warmup_end = self.inner_steps  # collective: one step on every rank
-            return False
+        if self.in_warmup:
+            return self._warmup_step()
         self.inner_steps += 1
         return self._round_step(self.inner_steps - self.warmup_length)
-
-    def _warmup_round_step(self) -> bool:
-        """One inner step of a warm-up of short rounds: sync every K-th, then let the
-        norm test (if any) end the warm-up."""
-        self.inner_steps += 1
-        synced = self.inner_steps % self.warmup_sync_every == 0
-        if synced:
-            self._sync(plain=True)
-        if self.warmup_test is not None:
-            lr = self.inner.param_groups[0]["lr"]  # the schedule's, alike on every rank
-            if self.warmup_test.calm_after(self.inner_steps, self.state.transport(), lr):
-                self.warmup_end = self.inner_steps  # collective: one step on every rank
-        return synced
 
     def _round_step(self, t: int) -> bool:
         """After the ``t``-th inner step of the rounds (from 1): sync at a round's end."""
@@ -419,21 +372,7 @@ class DiLoCo:
         ``ValueError``, and leaves everything as it was."""
         check_state_keys(saved, self._state_keys, type(self).__name__, _OPTIONAL_KEYS)
         _check_saved(self, saved)
-        # torch's optimiser keeps the given tensors: stepping would change the caller's dict
-        outer = copy.deepcopy(saved["outer"])
-        parts: list[tuple[Any, Any]] = [(self.outer, outer), (self.state, saved["state"])]
-        if self.warmup_state is not None:
-            parts.append((self.warmup_state, saved["warmup_state"]))
-        if self.warmup_test is not None:
-            parts.append((self.warmup_test, saved["warmup_test"]))
-        if self.schedule.growth:
-            parts.append((self.schedule, saved["schedule"]))
-        _load_all(parts)
-        for mine, theirs in zip(self._anchor, saved["anchor"]):
-            mine.copy_(theirs)
-        self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
-        self.warmup_end = saved["warmup_end"]
-        self._synced_at = saved.get("synced_at", self._derived_synced_at())
+        _load(self, saved)
 
     def _derived_synced_at(self) -> int:
         """For a file saved before ``synced_at`` was: the last round's end with a fixed H
@@ -443,6 +382,26 @@ class DiLoCo:
         if self.schedule.growth:
             return warmup + self.schedule.state_dict()["start"]
         return min(self.inner_steps, warmup + self.rounds * self.sync_every)
+
+
+def _load(diloco: DiLoCo, saved: Mapping[str, Any]) -> None:
+    """Load a checked :meth:`DiLoCo.state_dict` into ``diloco``: its parts all or none
+    (:func:`_load_all`), then the anchor and counters."""
+    # torch's optimiser keeps the given tensors: stepping would change the caller's dict
+    outer = copy.deepcopy(saved["outer"])
+    parts: list[tuple[Any, Any]] = [(diloco.outer, outer), (diloco.state, saved["state"])]
+    if diloco.warmup_state is not None:
+        parts.append((diloco.warmup_state, saved["warmup_state"]))
+    if diloco.warmup_test is not None:
+        parts.append((diloco.warmup_test, saved["warmup_test"]))
+    if diloco.schedule.growth:
+        parts.append((diloco.schedule, saved["schedule"]))
+    _load_all(parts)
+    for mine, theirs in zip(diloco._anchor, saved["anchor"]):
+        mine.copy_(theirs)
+    diloco.inner_steps, diloco.rounds = saved["inner_steps"], saved["rounds"]
+    diloco.warmup_end = saved["warmup_end"]
+    diloco._synced_at = saved.get("synced_at", diloco._derived_synced_at())
 
 
 def _check_warmup_options(steps: int, sync_every: int, state: Any, eta: Any) -> None:

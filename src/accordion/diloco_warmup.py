@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ._validate import check_int, check_number, check_state_keys
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 _STATE_KEYS = frozenset({"sums", "steps", "checks", "first_lr"})
 
@@ -103,3 +106,68 @@ class WarmupEnd:
             mine.copy_(theirs)
         self._steps, self.checks = steps, [dict(c) for c in saved["checks"]]
         self._first_lr = first_lr
+
+
+class WarmupSteps:
+    """DiLoCo's warm-up, before its first round: data-parallel steps (each step's
+    gradients averaged through ``warmup_state``, a pre-hook on the inner optimiser), or
+    short rounds (``warmup_sync_every`` K > 1: a sync every K steps, landing as the
+    replicas' plain average), and the norm test that may end it. A base of
+    :class:`accordion.DiLoCo`, which sets the attributes below."""
+
+    params: list[nn.Parameter]
+    inner: torch.optim.Optimizer
+    state: Controller
+    warmup_state: Controller | None
+    warmup_test: WarmupEnd | None
+    warmup_steps: int
+    warmup_sync_every: int
+    warmup_end: int | None
+    inner_steps: int
+    _anchor: list[torch.Tensor]
+    _synced_at: int
+
+    @property
+    def warmup_length(self) -> int:
+        """The warm-up's inner steps: :attr:`warmup_end` once the test ended it, else
+        ``warmup_steps``."""
+        return self.warmup_steps if self.warmup_end is None else self.warmup_end
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the next inner step is a warm-up step."""
+        return self.inner_steps < self.warmup_length
+
+    def _sync(self, plain: bool) -> None:
+        raise NotImplementedError  # DiLoCo's
+
+    def _average_in_warmup(self, *_: Any) -> None:
+        if self.warmup_state is not None and self.in_warmup:
+            self.warmup_state.reduce_gradients(self.params)  # collective
+            if self.warmup_test is not None:
+                self.warmup_test.add(self.params)
+
+    def _sum_in_warmup(self, *_: Any) -> None:
+        if self.warmup_test is not None and self.in_warmup:
+            self.warmup_test.add(self.params)
+
+    def _warmup_step(self) -> bool:
+        """Count one warm-up step: a data-parallel one (the replicas are equal: the next
+        round starts here), or one of a short round, synced at its end; then let the norm
+        test (if any) end the warm-up. Returns whether it synced."""
+        self.inner_steps += 1
+        synced = self.warmup_sync_every > 1 and self.inner_steps % self.warmup_sync_every == 0
+        if synced:
+            self._sync(plain=True)
+        elif self.warmup_state is not None:
+            self._synced_at = self.inner_steps
+            self.warmup_state.end_step(self.inner)
+            with torch.no_grad():
+                for p, anchor in zip(self.params, self._anchor):
+                    anchor.copy_(p)
+        if self.warmup_test is not None:  # the test's transport and lr only with a test
+            lr = self.inner.param_groups[0]["lr"]  # the schedule's, alike on every rank
+            state = self.warmup_state if self.warmup_state is not None else self.state
+            if self.warmup_test.calm_after(self.inner_steps, state.transport(), lr):
+                self.warmup_end = self.inner_steps  # collective: one step on every rank
+        return synced
