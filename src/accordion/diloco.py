@@ -222,10 +222,8 @@ class DiLoCo(WarmupSteps):
         #: Inner steps taken so far, and outer steps (rounds).
         self.inner_steps, self.rounds = 0, 0
         self._synced_at = 0  # the inner step at which the replicas were last equal
-        if self.warmup_state is not None:
-            inner_optimizer.register_step_pre_hook(self._average_in_warmup)
-        elif self.warmup_test is not None:  # short rounds: the test sums each worker's own
-            inner_optimizer.register_step_pre_hook(self._sum_in_warmup)
+        if self.warmup_state is not None or self.warmup_test is not None:
+            inner_optimizer.register_step_pre_hook(self._before_warmup_step)
 
     def step(self) -> bool:
         """Count one inner step; at the end of a round, sync (collective). Returns
@@ -401,7 +399,8 @@ def _load(diloco: DiLoCo, saved: Mapping[str, Any]) -> None:
         mine.copy_(theirs)
     diloco.inner_steps, diloco.rounds = saved["inner_steps"], saved["rounds"]
     diloco.warmup_end = saved["warmup_end"]
-    diloco._synced_at = saved.get("synced_at", diloco._derived_synced_at())
+    diloco._synced_at = (saved["synced_at"] if "synced_at" in saved
+                         else diloco._derived_synced_at())  # fmt: skip
 
 
 def _check_warmup_options(steps: int, sync_every: int, state: Any, eta: Any) -> None:

@@ -141,14 +141,15 @@ class WarmupSteps:
     def _sync(self, plain: bool) -> None:
         raise NotImplementedError  # DiLoCo's
 
-    def _average_in_warmup(self, *_: Any) -> None:
-        if self.warmup_state is not None and self.in_warmup:
+    def _before_warmup_step(self, *_: Any) -> None:
+        """The inner optimiser's pre-hook: in the warm-up, average the gradients (a
+        per-step warm-up) and sum them into the norm test (each worker's own with short
+        rounds)."""
+        if not self.in_warmup:
+            return
+        if self.warmup_state is not None:
             self.warmup_state.reduce_gradients(self.params)  # collective
-            if self.warmup_test is not None:
-                self.warmup_test.add(self.params)
-
-    def _sum_in_warmup(self, *_: Any) -> None:
-        if self.warmup_test is not None and self.in_warmup:
+        if self.warmup_test is not None:
             self.warmup_test.add(self.params)
 
     def _warmup_step(self) -> bool:
