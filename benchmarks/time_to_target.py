@@ -42,9 +42,7 @@ def report(local, logs, reference="dense"):
     """Per strategy: cluster loop times and per-seed speed-ups to the reference's loss."""
     runs = {(r["strategy"], r["seed"]): r["epochs"] for r in local["runs"]}
     seeds = sorted({s for (name, s) in runs if name == reference})
-    times = {
-        name: _loop_times(paths, runs[(name, 0)], name) for name, paths in logs.items()
-    }
+    times = {name: _loop_times(paths, runs[(name, 0)], name) for name, paths in logs.items()}
     ref_loop = times[reference][-1]
     lines = []
     for name, cum in times.items():
@@ -66,8 +64,14 @@ def report(local, logs, reference="dense"):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--local", required=True, help="an accordion compare result JSON")
-    parser.add_argument("--log", nargs=2, action="append", required=True,
-                        metavar=("STRATEGY", "METRICS_JSONL"), help="a timed cluster run")
+    parser.add_argument(
+        "--log",
+        nargs=2,
+        action="append",
+        required=True,
+        metavar=("STRATEGY", "METRICS_JSONL"),
+        help="a timed cluster run",
+    )
     parser.add_argument("--reference", default="dense")
     args = parser.parse_args(argv)
     with open(args.local) as f:
