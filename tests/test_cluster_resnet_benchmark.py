@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,21 +11,9 @@ from torch import nn
 
 from accordion.cluster import ClusterRun, ClusterRunError
 from accordion.ddp import AccordionState
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "cluster_resnet.py"
-
-
-def _load_script():
-    """The script as a module (benchmarks/ is no package); main() does not run on import."""
-    spec = importlib.util.spec_from_file_location("cluster_resnet", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+bench = load_benchmark("cluster_resnet.py")
 
 
 def _record(epoch: int, steps: list[float], nbytes: float, levels=None, compute=0.5) -> dict:

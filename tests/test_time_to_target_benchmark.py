@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_target.py"
+from benchmark_scripts import load_benchmark
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("time_to_target", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+bench = load_benchmark("time_to_target.py")
 
 
 def _epochs(losses, times):
