@@ -101,26 +101,30 @@ def run(config: TrainConfig, sync_every: int) -> dict:
     models[1].load_state_dict(models[0].state_dict())
     optimizers = [torch.optim.SGD(m.parameters(), lr=config.lr, momentum=config.momentum,
                                   weight_decay=config.weight_decay) for m in models]  # fmt: skip
-    anchor, rounds, t, start_lr = flat(models[0]).clone(), [], 0, None
+    anchor, rounds, start_lr = flat(models[0]).clone(), [], None
     probe = (data.x_train[:PROBE], data.y_train[:PROBE])  # both workers' shards
+    for t, (lr, batches) in enumerate(global_steps(data, config), start=1):
+        start_lr = lr if start_lr is None else start_lr
+        for model, optimizer, (x, y) in zip(models, optimizers, batches):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            output_loss(model(x), y).backward()
+            optimizer.step()
+        if t % sync_every == 0:
+            rounds.append(sync(models, anchor, t, start_lr, probe))
+            anchor, start_lr = flat(models[0]).clone(), None
+    return {"rounds": rounds, "accuracy": accuracy(models[0], data)}
+
+
+def global_steps(data, config: TrainConfig):
+    """Each step's scheduled rate and the workers' batches (the harness's shards)."""
     steps = epoch_steps(data, config, WORKERS, config.batch_size)
     for epoch in range(config.epochs):
         shards = [train_batches(data, config, w, WORKERS, epoch, config.batch_size)
                   for w in range(WORKERS)]  # fmt: skip
         for step, batches in enumerate(zip(*shards)):
-            lr = config.lr_at(epoch + step / steps)
-            start_lr = lr if start_lr is None else start_lr
-            for model, optimizer, (x, y) in zip(models, optimizers, batches):
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.zero_grad(set_to_none=True)
-                output_loss(model(x), y).backward()
-                optimizer.step()
-            t += 1
-            if t % sync_every == 0:
-                rounds.append(sync(models, anchor, t, start_lr, probe))
-                anchor, start_lr = flat(models[0]).clone(), None
-    return {"rounds": rounds, "accuracy": accuracy(models[0], data)}
+            yield config.lr_at(epoch + step / steps), batches
 
 
 def probe_loss(model: torch.nn.Module, probe) -> float:
