@@ -42,6 +42,9 @@ def report(local, logs, reference="dense"):
     """Per strategy: cluster loop times and per-seed speed-ups to the reference's loss."""
     runs = {(r["strategy"], r["seed"]): r["epochs"] for r in local["runs"]}
     seeds = sorted({s for (name, s) in runs if name == reference})
+    missing = [name for name in logs if (name, 0) not in runs]
+    if missing:
+        raise SystemExit(f"the local result has no seed 0 of {missing}: the logs are seed 0's")
     times = {name: _loop_times(paths, runs[(name, 0)], name) for name, paths in logs.items()}
     ref_loop = times[reference][-1]
     lines = []

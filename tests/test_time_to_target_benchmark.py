@@ -58,3 +58,12 @@ def test_loop_times_average_over_runs_of_one_strategy(tmp_path, capsys):
     argv = ["--local", str(local), "--log", "dense", runs[0], "--log", "dense", runs[1]]
     bench.main(argv + ["--log", "fast", fast])
     assert "mean 4.00x" in capsys.readouterr().out  # (10 + 14) / 2 = 12 s over 3 s
+
+
+def test_a_logged_strategy_missing_from_the_local_result_is_refused(tmp_path):
+    dense = _write(tmp_path, "d", [2.0, 1.5], [6.0, 12.0])
+    local = tmp_path / "local.json"
+    local.write_text(json.dumps(_local()))
+    argv = ["--local", str(local), "--log", "dense", dense, "--log", "other", dense]
+    with pytest.raises(SystemExit, match="no seed 0 of \\['other'\\]"):
+        bench.main(argv)
