@@ -20,6 +20,7 @@ Prints the median step time (ms) of each over ``--reps`` interleaved repetitions
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -102,6 +103,7 @@ def _worker(rank: int, world: int, path: str, args, queue) -> None:
             if rank == 0:
                 queue.put((config, ms))
     finally:
+        gc.collect()  # free the configs' DDP reducers while their process group still lives
         dist.barrier()
         dist.destroy_process_group()
 
