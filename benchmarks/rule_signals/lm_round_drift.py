@@ -11,10 +11,10 @@ and fall back to one only where it is needed.
 Two simulated workers train the workload's transformer with its AdamW schedule and
 clipping (each its own gradient, as DiLoCo's inner steps), each on its half of every
 global batch (the harness's shards). Every ``H`` = 15 steps their pseudo-gradients are
-averaged exactly (fp32 DiLoCo: the signal along the uncompressed trajectory; fp32 DiLoCo
-without a warm-up lost quality on charlm-tiny too) and DiLoCo's outer step (SGD, Nesterov momentum 0.9,
-lr 0.5) moves the shared parameters; the AdamW states stay local. At each round it
-records
+averaged exactly (fp32 DiLoCo: the signal along the uncompressed trajectory; fp32
+DiLoCo without a warm-up lost quality on charlm-tiny too) and DiLoCo's outer step (SGD,
+Nesterov momentum 0.9, lr 0.5) moves the shared parameters; the AdamW states stay local.
+At each round it records
 
 * ``spread``: ``|d0 - d1|^2 / |d0 + d1|^2`` of the workers' pseudo-gradients;
 * ``penalty``: the plain average's loss on ``PROBE`` training windows minus the
@@ -106,14 +106,14 @@ def sync(models, outer: Outer, last: torch.Tensor | None, probe) -> tuple[dict, 
     anchor = outer.anchor.detach().clone()
     moves = [anchor - flat(m) for m in models]
     total, gap = moves[0] + moves[1], moves[0] - moves[1]
+    mean = total / 2  # the averaged pseudo-gradient
     own = statistics.fmean(mean_loss(m, probe) for m in models)
-    load_flat(models[0], anchor - total / 2)
+    load_flat(models[0], anchor - mean)
     averaged = mean_loss(models[0], probe)
-    shared = outer.step(total / 2)
+    shared = outer.step(mean)
     for model in models:
         load_flat(model, shared)
     after = mean_loss(models[0], probe)
-    mean = total / 2
     turn = None if last is None else float(torch.cosine_similarity(mean, last, dim=0))
     return {
         "spread": float(gap.square().sum() / total.square().sum().clamp_min(1e-30)),
