@@ -54,8 +54,10 @@ def clip_factor(tensors) -> float:
     return min(1.0, probe.CLIP / (float(torch.cat([t.reshape(-1) for t in tensors]).norm()) + 1e-6))
 
 
-def train(mode: str, seed: int, data) -> dict:
-    """One run of ``mode``; its validation loss, accuracy and measured / predicted noise."""
+def train(mode: str, seed: int, data, before_exchange=None) -> dict:
+    """One run of ``mode``; its validation loss, accuracy and measured / predicted noise.
+    ``before_exchange(step, reducers, grads)``, if given, runs before each step's exchange
+    (``layer_allocation_probe.py`` sets each tensor's bits there)."""
     torch.manual_seed(seed)
     model = get_model("transformer-tiny", ntoken=len(data.vocabulary))
     params = list(model.parameters())
@@ -72,6 +74,8 @@ def train(mode: str, seed: int, data) -> dict:
         idx = order[step * probe.BATCH : (step + 1) * probe.BATCH]
         grads, _ = probe.local_grads(model, params, data.x_train, data.y_train, idx)
         true = [(a + b) / 2 for a, b in zip(*grads)]
+        if before_exchange is not None and mode != "dense":
+            before_exchange(step, reducers, grads)
         sent, noise = (true, [torch.zeros_like(t) for t in true]) if mode == "dense" else \
             averaged(reducers, grads)  # fmt: skip
         measured += sum(float((a - t).square().sum()) for a, t in zip(sent, true))
