@@ -11,7 +11,10 @@ import pytest
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
 sys.path.insert(0, str(BENCHMARKS / "rule_signals"))  # the study imports lm_probe
-study = load_benchmark("rule_signals/layer_allocation.py")
+try:
+    study = load_benchmark("rule_signals/layer_allocation.py")
+finally:
+    sys.path.remove(str(BENCHMARKS / "rule_signals"))
 
 
 def test_the_allocation_is_the_cheapest_of_every_one_within_the_budget():
