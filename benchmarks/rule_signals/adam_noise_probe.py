@@ -54,10 +54,12 @@ def clip_factor(tensors) -> float:
     return min(1.0, probe.CLIP / (float(torch.cat([t.reshape(-1) for t in tensors]).norm()) + 1e-6))
 
 
-def train(mode: str, seed: int, data, before_exchange=None) -> dict:
+def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> dict:
     """One run of ``mode``; its validation loss, accuracy and measured / predicted noise.
     ``before_exchange(step, reducers, grads)``, if given, runs before each step's exchange
-    (``layer_allocation_probe.py`` sets each tensor's bits there)."""
+    (``layer_allocation_probe.py`` sets each tensor's bits there); from step ``freeze_at``
+    on, if given, Adam's ``v`` and the noise estimate stop updating (1-bit Adam's freeze,
+    ``frozen_variance_probe.py``)."""
     torch.manual_seed(seed)
     model = get_model("transformer-tiny", ntoken=len(data.vocabulary))
     params = list(model.parameters())
@@ -86,12 +88,14 @@ def train(mode: str, seed: int, data, before_exchange=None) -> dict:
                 g = sent[i] * coef
                 second = (true[i] * tcoef) ** 2 if mode == "oracle" else g * g
                 m[i].mul_(b1).add_(g, alpha=1 - b1)
-                v[i].mul_(b2).add_(second, alpha=1 - b2)
-                s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
+                if freeze_at is None or step < freeze_at:
+                    v[i].mul_(b2).add_(second, alpha=1 - b2)
+                    s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
                 used = torch.maximum(v[i] - s[i], FLOOR * v[i]) if mode == "corrected" else v[i]
                 t = step + 1
+                tv = t if freeze_at is None else min(t, freeze_at)  # v's own step count
                 p.mul_(1 - lr * probe.WD)
-                p.sub_(lr * (m[i] / (1 - b1**t)) / ((used / (1 - b2**t)).sqrt() + probe.EPS))
+                p.sub_(lr * (m[i] / (1 - b1**t)) / ((used / (1 - b2**tv)).sqrt() + probe.EPS))
     loss, accuracy = probe.evaluate(model, data.x_test, data.y_test)
     ratio = measured / predicted if predicted else None
     return {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
