@@ -82,7 +82,7 @@ def run(mode: str, seed: int, data) -> dict:
     """One run; with ``lgreco`` the allocation's bytes over uniform 2-bit's and widths."""
     if mode != "lgreco":
         return noise_probe.train(mode, seed, data)
-    torch.manual_seed(seed)  # the model's shapes, without touching the run's generator
+    # the shapes only: train() seeds the generator again before it builds its own model
     shapes = [tuple(p.shape) for p in noise_probe.get_model(
         "transformer-tiny", ntoken=len(data.vocabulary)).parameters()]  # fmt: skip
     allocator = Allocator(shapes)
