@@ -101,16 +101,23 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     return {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
 
 
-if __name__ == "__main__":
+def run_seeds(run, modes, report: dict, out: Path, shown=lambda row: row) -> None:
+    """For each seed on the command line (default 0), each of ``modes`` by
+    ``run(mode, seed, data)``: each row printed as ``shown(row)``, all written to ``out``
+    after the settings in ``report``."""
     torch.set_num_threads(1)
     seeds = [int(a) for a in sys.argv[1:]] or [0]
     data = load_charlm(28672, 1024, probe.BPTT)
-    report: dict = {"steps": STEPS, "bits": BITS, "floor": FLOOR, "runs": []}
+    report = {**report, "runs": []}
     for seed in seeds:
-        for mode in MODES:
+        for mode in modes:
             start = time.perf_counter()
-            row = {"seed": seed, "mode": mode, **train(mode, seed, data),
+            row = {"seed": seed, "mode": mode, **run(mode, seed, data),
                    "seconds": time.perf_counter() - start}  # fmt: skip
             report["runs"].append(row)
-            print(json.dumps(row), flush=True)
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
+            print(json.dumps(shown(row)), flush=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    run_seeds(train, MODES, {"steps": STEPS, "bits": BITS, "floor": FLOOR}, OUT)

@@ -22,16 +22,9 @@ static 2-bit's (the bits per element and the fp16 scale per block of 64: 2.25 an
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from pathlib import Path
 
 import adam_noise_probe as noise_probe
-import lm_probe as probe
-import torch
-
-from accordion.harness.data.charlm import load_charlm
 
 FREEZE = 200
 MODES = ("dense-frozen", "nq1-frozen", "nq2to1-frozen")
@@ -66,15 +59,4 @@ def run(mode: str, seed: int, data) -> dict:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    seeds = [int(a) for a in sys.argv[1:]] or [0]
-    data = load_charlm(28672, 1024, probe.BPTT)
-    report: dict = {"steps": noise_probe.STEPS, "freeze": FREEZE, "runs": []}
-    for seed in seeds:
-        for mode in MODES:
-            start = time.perf_counter()
-            row = {"seed": seed, "mode": mode, **run(mode, seed, data),
-                   "seconds": time.perf_counter() - start}  # fmt: skip
-            report["runs"].append(row)
-            print(json.dumps(row), flush=True)
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
+    noise_probe.run_seeds(run, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)

@@ -21,20 +21,15 @@ loss, the next-character accuracy, and the bytes of the run over uniform 2-bit's
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from pathlib import Path
 
 import adam_noise_probe as noise_probe
 import layer_allocation as study
-import lm_probe as probe
 import torch
 
 from accordion.compress import NormalQuantizer, Reducer
 from accordion.compress.memory import NoMemory
 from accordion.compress.transport import LocalTransport
-from accordion.harness.data.charlm import load_charlm
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "layer_allocation_probe.json"
 
@@ -92,15 +87,6 @@ def run(mode: str, seed: int, data) -> dict:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    seeds = [int(a) for a in sys.argv[1:]] or [0]
-    data = load_charlm(28672, 1024, probe.BPTT)
-    report: dict = {"steps": noise_probe.STEPS, "window": study.WINDOW, "runs": []}
-    for seed in seeds:
-        for mode in ("dense", "corrected", "lgreco"):
-            start = time.perf_counter()
-            row = {"seed": seed, "mode": mode, **run(mode, seed, data),
-                   "seconds": time.perf_counter() - start}  # fmt: skip
-            report["runs"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "bits"}), flush=True)
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
+    noise_probe.run_seeds(run, ("dense", "corrected", "lgreco"),
+                          {"steps": noise_probe.STEPS, "window": study.WINDOW}, OUT,
+                          lambda row: {k: v for k, v in row.items() if k != "bits"})  # fmt: skip
