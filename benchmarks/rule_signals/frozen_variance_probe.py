@@ -37,8 +37,8 @@ def bits_from(start: int, switch: int | None):
     step ``switch`` (never when ``None``)."""
 
     def hook(step, reducers, grads):
-        if step in (0, switch):
-            bits = start if step != switch else 1
+        bits = {0: start, switch: 1}.get(step)
+        if bits is not None:
             for reducer in reducers:
                 reducer.compressor.set_level(bits, range(len(grads[0])))
 

@@ -126,7 +126,7 @@ def gains(run: dict) -> dict:
     for w in run["windows"]:
         absolute = [[w["error2"][b][t] for b in BITS] for t in range(len(sizes))]
         relative = [[n * e / max(w["norm2"][t], 1e-30) for e in row]
-                    for n, row, t in zip(numel, absolute, range(len(sizes)))]  # fmt: skip
+                    for t, (n, row) in enumerate(zip(numel, absolute))]  # fmt: skip
         for budget, errors in (("absolute", absolute), ("relative", relative)):
             cost, _, picked = allocate(sizes, errors, sum(e[ref] for e in errors))
             out[budget].append({"gain": uniform / cost,
