@@ -102,11 +102,8 @@ def train(steps: int, seed: int) -> dict:
         window = windows[-1]
         window["norm2"] += [float(true[i].double().norm() ** 2) for i in index]
         for b, reducers in shadows.items():
-            copies = [[g.clone() for g in gw] for gw in grads]
-            SimulatedTransport(probe.WORKERS).run(
-                [r.exchange(list(range(len(true))), c, probe.WORKERS)
-                 for r, c in zip(reducers, copies)])  # fmt: skip
-            window["error2"][b] += [float((copies[0][i] - true[i]).double().norm() ** 2)
+            shadow = probe.shadow_average(reducers, SimulatedTransport(probe.WORKERS), grads)
+            window["error2"][b] += [float((shadow[i] - true[i]).double().norm() ** 2)
                                     for i in index]  # fmt: skip
         norm = float(torch.cat([t.reshape(-1) for t in true]).norm())
         for p, t in zip(params, true):

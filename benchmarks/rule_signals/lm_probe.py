@@ -96,15 +96,18 @@ def fidelity(est, true, index):
     return out
 
 
+def shadow_average(reducers, transport, grads):
+    """Worker 0's average from one shadow reducer per worker, fed copies of ``grads``."""
+    copies = [[g.clone() for g in gw] for gw in grads]
+    transport.run([r.exchange(list(range(len(gw))), c, WORKERS)
+                   for r, c, gw in zip(reducers, copies, grads)])  # fmt: skip
+    return copies[0]
+
+
 def shadow_step(shadows, transport, grads, true, index):
     """Feed every shadow reducer pair copies of the local gradients; their fidelity."""
-    result = {}
-    for name, reducers in shadows.items():
-        copies = [[g.clone() for g in gw] for gw in grads]
-        transport.run([r.exchange(list(range(len(true))), c, WORKERS)
-                       for r, c in zip(reducers, copies)])  # fmt: skip
-        result[name] = fidelity(copies[0], true, index)
-    return result
+    return {name: fidelity(shadow_average(reducers, transport, grads), true, index)
+            for name, reducers in shadows.items()}  # fmt: skip
 
 
 def adam_direction(m, v, step):
