@@ -129,6 +129,13 @@ class Ledger:
         totals.bytes += steps * nbytes
         totals.steps += steps
 
+    def add_extra(self, name: str, floats: int, nbytes: float) -> None:
+        """Add a cost beyond a step's to tensor ``name`` (a rule's measurement), counting
+        no step."""
+        totals = self.layers.setdefault(str(name), LayerTotals())
+        totals.floats += floats
+        totals.bytes += nbytes
+
     def record_all(
         self,
         tensors: Iterable[tuple[str, Sequence[int], str, Any]],

@@ -1,5 +1,6 @@
-"""The fidelity audit's side of the controller: one step per period averaged dense, and
-each rung's relative error on that true average.
+"""The measurements rules ask of the controller: the fidelity audit (one step per period
+averaged dense, and each rung's relative error on that true average) and L-GreCo's errors
+(each rank's error-fed accumulator compressed at every rung, the squared errors summed).
 
 Every rank holds the same average after the dense all-reduce, so the errors are computed
 locally, with no traffic, and are the same everywhere. Each rung's compressor is built
@@ -18,15 +19,18 @@ import torch
 
 from .compress import Exchange, Reducer, average_in_place
 from .compress.memory import NoMemory
-from .compress.transport import LocalTransport
+from .compress.transport import AllReduce, LocalTransport
 from .policy import Ladder
+
+#: The rule statistics taken at one step per period (see :class:`Audits`).
+MEASUREMENTS = frozenset({"audit", "errors"})
 
 
 class Audits:
-    """Which step is its period's audit: the first step the controller reduces in a
-    period that gathers the statistic, when the rule needs ``"audit"`` and holds no errors
-    of the period yet (its ``pending``, checkpointed with the rule). Every bucket of that
-    step is audited."""
+    """Which step is its period's measurement: the first step the controller reduces in a
+    period that gathers the statistic, when the rule needs ``"audit"`` or ``"errors"`` and
+    holds no errors of the period yet (its ``pending``, checkpointed with the rule). Every
+    bucket of that step is measured."""
 
     def __init__(self) -> None:
         #: The step being audited (a counter of the controller), or ``None``.
@@ -34,7 +38,7 @@ class Audits:
 
     def due(self, rule: Any, adaptive: bool, collecting: bool, step: int) -> bool:
         """Whether step ``step`` (of a period that gathers when ``collecting``) is audited."""
-        if "audit" not in rule.needs or not adaptive:
+        if not rule.needs & MEASUREMENTS or not adaptive:
             return False
         if self.step == step:  # a later bucket of the audited step
             return True
@@ -50,22 +54,63 @@ def relative_errors(ladder: Ladder, keys: Sequence[str], averages: Sequence[torc
     ``ladder`` (0 for a zero gradient; NaN where the rung sends it dense, as a level
     that does not pay for its shape does), the compressors built with ``options``."""
     errors: dict[str, list[float]] = {key: [] for key in keys}
-    if not keys:
-        return errors
     norms = [float(g.double().norm()) for g in averages]
+    for gaps in rung_gaps(ladder, keys, averages, options):
+        for key, gap, norm in zip(keys, gaps, norms):
+            errors[key].append(gap if math.isnan(gap) else gap / norm if norm > 0 else 0.0)
+    return errors
+
+
+def rung_gaps(ladder: Ladder, keys: Sequence[str], tensors: Sequence[torch.Tensor],
+              options: dict[str, Any]) -> list[list[float]]:  # fmt: skip
+    """Per rung, per key, ``|C_r(t) - t|`` of one worker's tensor ``t`` compressed alone
+    at the rung (NaN where the rung sends it dense), nothing remembered."""
+    rungs = []
     for level in ladder.levels:
         reducer = Reducer(ladder.compressor.build(level, **options), NoMemory())
         approximations = []
         for _ in range(2):  # the second pass is warm-started from the first
-            approximations = [g.detach().clone() for g in averages]
+            approximations = [t.detach().clone() for t in tensors]
             LocalTransport().run(reducer.exchange(list(keys), approximations, 1))
-        for key, g, a, norm in zip(keys, averages, approximations, norms):
-            if not reducer.sends_compressed(g, key):  # dense at this rung: not a choice
-                errors[key].append(math.nan)
-                continue
-            gap = float((a.double() - g.double()).norm())
-            errors[key].append(gap / norm if norm > 0 else 0.0)
-    return errors
+        rungs.append([float((a.double() - t.double()).norm())
+                      if reducer.sends_compressed(t, key) else math.nan
+                      for key, t, a in zip(keys, tensors, approximations)])  # fmt: skip
+    return rungs
+
+
+def measured_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor], reducer: Reducer,
+                      world: int, measured: Any, chosen: Sequence[str], ladder: Ladder,
+                      options: dict[str, Any]) -> Exchange[Any]:  # fmt: skip
+    """Before ``reducer``'s own exchange of ``grads``: for the keys in ``chosen``, the
+    squared error ``|C_r(a) - a|^2`` of this rank's error-fed accumulator ``a = g + e`` at
+    every rung, summed over the ranks in one all-reduce, handed to ``measured`` with each
+    rung's wire bytes (L-GreCo's measurement: a rung that sends a key dense costs its
+    dense bytes and errs by 0)."""
+    wanted = set(chosen)
+    picked = [(k, g) for k, g in zip(keys, grads) if k in wanted]
+    if picked:
+        names = [k for k, _ in picked]
+        owed = [reducer.memory.get(k) for k in names]
+        accumulators = [g if e is None else g + e for (_, g), e in zip(picked, owed)]
+        gaps = rung_gaps(ladder, names, accumulators, options)
+        squares = torch.tensor([[0.0 if math.isnan(x) else x * x for x in row] for row in gaps],
+                               dtype=torch.float64, device=picked[0][1].device)  # fmt: skip
+        if world > 1:
+            (squares,) = yield [AllReduce(squares)]
+        sizes = [[_rung_bytes(ladder, level, g, math.isnan(row[i]))
+                  for level, row in zip(ladder.levels, gaps)]
+                 for i, (_, g) in enumerate(picked)]  # fmt: skip
+        measured({k: squares[:, i].tolist() for i, k in enumerate(names)},
+                 dict(zip(names, sizes)))  # fmt: skip
+    return (yield from reducer.exchange(keys, grads, world))
+
+
+def _rung_bytes(ladder: Ladder, level: Any, tensor: torch.Tensor, dense: bool) -> float:
+    """The bytes one rank hands its collectives for ``tensor`` at ``level``."""
+    if dense:
+        return float(tensor.numel() * tensor.element_size())
+    messages = ladder.compressor.messages(tuple(tensor.shape), level, tensor.element_size())
+    return float(sum(m.nbytes for m in messages))
 
 
 def audited_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor],

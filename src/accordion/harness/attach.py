@@ -52,6 +52,8 @@ def make_state(config: TrainConfig, strategy: Strategy, model: nn.Module,
             options["wait_for_decay"] = False
         if strategy.tau is not None:
             options["tau"] = strategy.tau
+        if strategy.reference is not None:
+            options["reference"] = strategy.reference
         name = strategy.rule or "guarded"
         rule = make_rule(name, config.eta if takes_eta(name) else None, **options)
     extra: dict[str, Any] = {"rule": rule} if rule else {"eta": config.eta}

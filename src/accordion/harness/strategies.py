@@ -33,7 +33,11 @@ relapse blocks a rung (``block=N``, or ``block=decay`` for until the next decay:
 :class:`~accordion.policy.GuardedRule`'s ``block``) and whether its last rung is open
 before the first decay (``open``: ``wait_for_decay=False``), for the audit rule its error
 budget (``tau=0.3``: :class:`~accordion.policy.AuditRule`), e.g.
-``accordion:mixed:half/bf16,int/8,int/4,powersgd/4:audit:tau=0.3``.
+``accordion:mixed:half/bf16,int/8,int/4,powersgd/4:audit:tau=0.3``, and for L-GreCo's
+allocation the rung whose uniform error is the budget (``ref=N``:
+:class:`~accordion.policy.AllocationRule`; ``lgreco-regime`` spends a budget the norm
+test sets, :class:`~accordion.policy.RegimeAllocationRule`), e.g.
+``accordion:mixed:nq/4,nq/3,nq/2,nq/1:lgreco:ref=2``.
 
 Batch-size strategies (Accordion's second lever), dense communication by default:
 
@@ -144,6 +148,7 @@ class Strategy:
     block: int | str | None = None  # the guarded rule's block: checks, "decay" or None (default)
     open_ladder: bool = False  # the guarded rule: last rung open from the start, no decay wait
     tau: float | None = None  # the audit rule's error budget (None: its default)
+    reference: int | None = None  # the allocation rule's budget rung (None: its default, 0)
     sync_every: int | None = None  # DiLoCo's H, inner steps per sync (None: every step, DDP)
     outer_lr: float | None = None  # DiLoCo's outer learning rate (None: its default, 0.7)
     outer_momentum: float | None = None  # its Nesterov momentum (None: the default, 0.9)
@@ -425,6 +430,11 @@ def _parse_communication(text: str, whole: str) -> Strategy:
             raise ValueError(f"strategy {text!r}: {suffix} is an option of the guarded rule")
     if "tau" in options and options.get("rule") != "audit":
         raise ValueError(f"strategy {text!r}: tau=X is an option of the audit rule")
+    if "reference" in options and options.get("rule") not in ("lgreco", "lgreco-regime"):
+        raise ValueError(f"strategy {text!r}: ref=N is an option of the lgreco rules")
+    if options.get("reference", 0) >= len(items):
+        raise ValueError(f"strategy {text!r}: ref={options['reference']} must be a rung of "
+                         f"the ladder, 0 to {len(items) - 1}")  # fmt: skip
     return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
 
 
@@ -459,11 +469,13 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "block", "decay"
         elif name == "tau" and _is_budget(value):
             key, parsed = "tau", float(value)
+        elif name == "ref" and value.isdigit():
+            key, parsed = "reference", int(value)
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
-                "block=decay, open or tau=X (0 < X <= 1)"
+                "block=decay, open, tau=X (0 < X <= 1) or ref=N (N >= 0, a rung)"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")

@@ -7,6 +7,9 @@
   Accordion's rule; :class:`GuardedRule` descends a ladder one rung at a time and steps
   back when a layer relapses; :class:`AuditRule` holds each layer at the most compressed
   rung whose error on an uncompressed audit step stays within a budget;
+  :class:`AllocationRule` (L-GreCo) gives each layer the rung of the cheapest allocation
+  whose summed squared error stays within one reference rung's, and
+  :class:`RegimeAllocationRule` within a budget that the norm test sets per layer;
 * :class:`Decider` -- the policy over time: the rungs in force, the schedule's position
   and the decays, from one ``end_epoch``/``end_step`` to the next (``policy.decider``).
 
@@ -16,6 +19,7 @@ Pure logic: plain values in and out, no ``torch.distributed``.
 import inspect
 from typing import Any
 
+from .allocation import AllocationRule, RegimeAllocationRule
 from .audit import AuditRule
 from .decider import Decider
 from .guarded import GuardedRule
@@ -25,7 +29,9 @@ from .schedule import UNITS, DecayDetector, Schedule
 
 #: The rules by name, as strategies and checkpoints name them.
 RULES: dict[str, type[Rule]] = {PaperRule.name: PaperRule, GuardedRule.name: GuardedRule,
-                                 AuditRule.name: AuditRule}  # fmt: skip
+                                 AuditRule.name: AuditRule,
+                                 AllocationRule.name: AllocationRule,
+                                 RegimeAllocationRule.name: RegimeAllocationRule}  # fmt: skip
 
 
 def takes_eta(name: str) -> bool:
@@ -36,7 +42,7 @@ def takes_eta(name: str) -> bool:
 def make_rule(name: str, eta: float | None = None, **options: Any) -> Rule:
     """A rule by its name (see ``RULES``), with the threshold ``eta`` if given (the norm
     rules' only) and the rule's own keyword ``options`` (``block=`` for the guarded
-    rule, ``tau=`` for the audit rule)."""
+    rule, ``tau=`` for the audit rule, ``reference=`` for the allocation rule)."""
     if name not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {name!r}")
     if eta is not None and not takes_eta(name):
@@ -45,6 +51,7 @@ def make_rule(name: str, eta: float | None = None, **options: Any) -> Rule:
     return RULES[name](**({} if eta is None else {"eta": eta}), **options)
 
 __all__ = [
+    "AllocationRule",
     "AuditRule",
     "RULES",
     "RULE_STATISTICS",
@@ -56,6 +63,7 @@ __all__ = [
     "LevelKind",
     "Observation",
     "PaperRule",
+    "RegimeAllocationRule",
     "Rule",
     "Schedule",
     "check_eta",

@@ -21,10 +21,13 @@ from .._validate import check_state_keys
 from .ladder import Ladder
 
 #: Statistics a rule may ask for beyond the paper's gradient norms: ``"memory_norms"``
-#: (in the observation) and ``"audit"`` (the first step of each period averaged dense and
+#: (in the observation), ``"audit"`` (the first step of each period averaged dense and
 #: each rung's error on it handed to the rule's ``measured``; the rule keeps them in
-#: ``pending`` until its check: see :class:`~.audit.AuditRule`).
-RULE_STATISTICS = frozenset({"memory_norms", "audit"})
+#: ``pending`` until its check: see :class:`~.audit.AuditRule`) and ``"errors"`` (at
+#: that step each rank's error-fed accumulator compressed at every rung, the squared
+#: errors summed over the ranks and each rung's bytes handed to ``measured``: see
+#: :class:`~.allocation.AllocationRule`).
+RULE_STATISTICS = frozenset({"memory_norms", "audit", "errors"})
 
 
 @dataclass(frozen=True)
