@@ -79,6 +79,12 @@ def test_a_reference_beyond_the_ladder_is_refused_naming_it():
         rule.decide(_observation(["a"]), _ladder())
 
 
+def test_a_state_whose_reference_is_beyond_its_ladder_is_refused_before_training():
+    net = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="reference must be a rung of the ladder"):
+        AccordionState(net, "nq", levels=(4, 2), rule=AllocationRule(reference=2))
+
+
 @pytest.mark.parametrize(("reference", "error"), [(-1, ValueError), (1.5, TypeError),
                                                   (True, TypeError)])  # fmt: skip
 def test_a_reference_that_is_not_a_rung_index_is_refused(reference, error):

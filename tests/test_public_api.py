@@ -17,6 +17,7 @@ import accordion.policy
 DOCUMENTED = [
     "AccordionState",
     "AdamNoiseCorrection",
+    "AllocationRule",
     "AuditRule",
     "Checkpointer",
     "Controller",

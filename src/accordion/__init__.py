@@ -4,11 +4,11 @@ Implements Accordion (Agarwal et al., MLSys 2021): compress mildly in critical l
 regimes and aggressively elsewhere. At the top level: the DDP hook (``AccordionState``,
 ``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, rare
 compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, Adam's noise correction
-``AdamNoiseCorrection``, the rules
-and policy parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``Ladder``,
-``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
-(``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
-``make_compressor``, ``summarize`` and ``__version__``. Modules:
+``AdamNoiseCorrection``, the rules and policy parts (``Rule``, ``PaperRule``,
+``GuardedRule``, ``AuditRule``, ``AllocationRule``, ``Ladder``, ``Observation``,
+``Schedule``), ``Checkpointer``, ``calibrate``, the plans (``make_plan``, ``layer_plan``,
+``scaling_plan``), ``compressor_names``, ``make_compressor``, ``summarize`` and
+``__version__``. Modules:
 
 * ``accordion.ddp`` -- Accordion as a DDP communication hook (``AccordionState``);
 * ``accordion.fsdp`` -- Accordion across the replicas of FSDP2's hybrid sharding;
@@ -55,7 +55,16 @@ from .diloco import DiLoCo
 from .diloco_streaming import StreamingDiLoCo
 from .fsdp import FSDPState
 from .plan import layer_plan, make_plan, scaling_plan
-from .policy import AuditRule, GuardedRule, Ladder, Observation, PaperRule, Rule, Schedule
+from .policy import (
+    AllocationRule,
+    AuditRule,
+    GuardedRule,
+    Ladder,
+    Observation,
+    PaperRule,
+    Rule,
+    Schedule,
+)
 from .summary import summarize
 
 #: Subpackages loaded on first access (PEP 562): not needed by the hook, or heavier.
@@ -64,6 +73,7 @@ _LAZY_SUBMODULES = ("batch", "cli", "integrations", "models")
 __all__ = [
     "AccordionState",
     "AdamNoiseCorrection",
+    "AllocationRule",
     "AuditRule",
     "Checkpointer",
     "Controller",

@@ -70,10 +70,14 @@ class AllocationRule(Rule):
             self.pending[str(name)] = ([float(v) for v in values],
                                        [float(b) for b in sizes[name]])  # fmt: skip
 
-    def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
+    def check_ladder(self, ladder: Ladder) -> None:
+        """``ValueError`` unless ``reference`` is a rung of ``ladder``."""
         if self.reference >= len(ladder):
             raise ValueError(f"reference must be a rung of the ladder (0 to {ladder.top}), "
                              f"got {self.reference}")  # fmt: skip
+
+    def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
+        self.check_ladder(ladder)
         names = [n for n in observation.grad_norms if n in self.pending]
         rungs = {n: observation.rungs.get(n, 0) for n in observation.grad_norms}
         if names:

@@ -59,6 +59,7 @@ class Decider:
     """
 
     def __init__(self, ladder: Ladder, rule: Rule, schedule: Schedule):
+        rule.check_ladder(ladder)  # before the first check, not at it
         self.ladder, self.rule, self.schedule = ladder, rule, schedule
         #: Learning-rate decays, as the rule's ``decay_drop`` counts them.
         self.detector = DecayDetector(rule.decay_drop)

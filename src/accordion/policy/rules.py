@@ -84,6 +84,10 @@ class Rule(ABC):
     def decide(self, observation: Observation, ladder: Ladder) -> dict[str, int]:
         """The rung of every layer in ``observation.grad_norms`` until the next check."""
 
+    def check_ladder(self, ladder: Ladder) -> None:
+        """Raise ``ValueError`` if this rule cannot decide on ``ladder`` (any ladder here)."""
+        return None  # every rule so far decides on any ladder; AllocationRule checks its rung
+
     def config(self) -> dict[str, Any]:
         """Settings that must match when a checkpoint is loaded (plain values)."""
         return {}
