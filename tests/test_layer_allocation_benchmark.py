@@ -7,6 +7,7 @@ import random
 import sys
 
 import pytest
+import torch
 
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
@@ -39,3 +40,22 @@ def test_a_tensor_costs_its_packed_codes_and_a_scale_per_block_of_a_row():
     assert [study.nq_bytes((70, 64), b) for b in study.BITS] == [
         70 * 64 * b // 8 + 2 * 70 for b in study.BITS
     ]
+
+
+def test_a_shadow_average_is_the_workers_mean_and_leaves_their_gradients_alone():
+    sys.path.insert(0, str(BENCHMARKS / "rule_signals"))
+    try:
+        import lm_probe as probe
+    finally:
+        sys.path.remove(str(BENCHMARKS / "rule_signals"))
+    from accordion.compress import ErrorFeedback, Reducer, SimulatedTransport, make_compressor
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(8, 4, generator=gen), torch.randn(3, generator=gen)]
+             for _ in range(probe.WORKERS)]  # fmt: skip
+    before = [[g.clone() for g in gw] for gw in grads]
+    reducers = [Reducer(make_compressor("dense"), ErrorFeedback()) for _ in range(probe.WORKERS)]
+    shadow = probe.shadow_average(reducers, SimulatedTransport(probe.WORKERS), grads)
+    for i, s in enumerate(shadow):
+        assert torch.allclose(s, sum(gw[i] for gw in grads) / probe.WORKERS)
+    assert all(torch.equal(g, b) for gw, bw in zip(grads, before) for g, b in zip(gw, bw))
