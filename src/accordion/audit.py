@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .accounting import Ledger, paper_floats, wire_bytes
 from .compress import Exchange, Reducer, average_in_place
 from .compress.memory import NoMemory
 from .compress.transport import AllReduce, LocalTransport
@@ -46,6 +47,34 @@ class Audits:
             self.step = step
             return True
         return False
+
+
+def measured_step(controller: Any, keys: Sequence[str], grads: Sequence[torch.Tensor],
+                  buffer: torch.Tensor | None, world: int, compressed: Sequence[str],
+                  options: dict[str, Any]) -> Exchange[Any]:  # fmt: skip
+    """The exchange of a step ``controller``'s rule measures (see :class:`Audits`), over the
+    ``compressed`` keys, the rungs' compressors built with ``options``: with ``"errors"``
+    in the rule's needs L-GreCo's errors, the step compressed as usual
+    (:func:`measured_exchange`); else the audit, the step averaged dense
+    (:func:`audited_exchange`)."""
+    rule, reducer, ladder = controller.rule, controller.reducer, controller.ladder
+    if "errors" in rule.needs:
+        _count_errors(controller.ledger, set(keys) & set(compressed), len(ladder), world)
+        return measured_exchange(keys, grads, reducer, world, rule.measured, compressed, ladder,
+                                 options)  # fmt: skip
+    reducer.noise.forget(keys)  # an audited step goes dense: no error to correct
+    return audited_exchange(keys, grads, buffer, world, rule.measured, compressed, ladder,
+                            options)  # fmt: skip
+
+
+def _count_errors(ledger: Ledger, keys: set[str], rungs: int, world: int) -> None:
+    """Add to ``ledger`` what L-GreCo's measurement sends: per key, one float64 squared
+    error per rung, all-reduced (no step: the step is counted as usual)."""
+    shape = (rungs,)
+    floats = paper_floats(shape, "dense", None, world)
+    nbytes = wire_bytes(shape, "dense", None, world, 8)
+    for key in keys:
+        ledger.add_extra(key, floats, nbytes)
 
 
 def relative_errors(ladder: Ladder, keys: Sequence[str], averages: Sequence[torch.Tensor],

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ._validate import check_choice
-from .accounting import Ledger, paper_floats, wire_bytes
+from .accounting import Ledger
 from .agreement import agreed_rungs, agreement_device, check_agreement
-from .audit import Audits, audited_exchange, measured_exchange
+from .audit import Audits, measured_step
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
 from .compress import ErrorFeedback, Exchange, Reducer, average_in_place, compressor_class
@@ -196,34 +196,20 @@ class Controller:
         world = transport.world_size
         audit = self._audits.due(self.rule, self.adaptive, self.schedule.collecting(self.epoch),
                                  self.step)  # fmt: skip
-        measuring = audit and "errors" in self.rule.needs  # L-GreCo's: compressed as usual
-        self._observe(keys, grads, transport, dense=audit and not measuring)
+        dense = audit and "errors" not in self.rule.needs  # L-GreCo's: compressed as usual
+        self._observe(keys, grads, transport, dense=dense)
         if last and self.interval_unit == "epoch":
             self.step += 1
-        reducer = self.reducer
-        if measuring:
-            self._count_measurement(keys, world)
-            return measured_exchange(keys, grads, reducer, world, self.rule.measured,
-                                     self._layers().compressed(), self.ladder, self._options)
         if audit:
-            reducer.noise.forget(keys)  # an audited step goes dense: no error to correct
-            return audited_exchange(keys, grads, buffer, world, self.rule.measured,
-                                    self._layers().compressed(), self.ladder, self._options)
+            return measured_step(self, keys, grads, buffer, world, self._layers().compressed(),
+                                 self._options)  # fmt: skip
+        reducer = self.reducer
         if buffer is not None and not reducer.noise.on and not any(
             reducer.sends_compressed(g, k) or reducer.memory.get(k) is not None
             for k, g in zip(keys, grads)
         ):  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
             return average_in_place(grads, world, buffer)
         return reducer.exchange(keys, grads, world)
-
-    def _count_measurement(self, keys: Sequence[str], world: int) -> None:
-        """Add to the ledger what L-GreCo's measurement sends: per measured key, one
-        float64 squared error per rung, all-reduced (no step: the step is counted as usual)."""
-        rungs = (len(self.ladder),)
-        floats, nbytes = paper_floats(rungs, "dense", None, world), wire_bytes(
-            rungs, "dense", None, world, 8)  # fmt: skip
-        for key in set(keys) & set(self._layers().compressed()):
-            self.ledger.add_extra(key, floats, nbytes)
 
     def _observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], transport,
                  dense: bool = False) -> None:  # fmt: skip
