@@ -37,6 +37,9 @@ UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 TRAFFIC = re.compile(r"^traffic: sent ([\d.]+) (\w+), dense would send ([\d.]+) (\w+) "
                      r"\(([\d.]+)x less, [\d.]+ \w+ saved\)$", re.MULTILINE)  # fmt: skip
 LEVELS = re.compile(r"^levels: (.+)$", re.MULTILINE)
+#: gloo on torch 2.13 sometimes aborts a process while C++ statics are destroyed at exit,
+#: after its work and output are done (``tests/distributed.py``); only that is forgiven.
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_example(command: list[str], tmp_path: Path, timeout: float = TIMEOUT) -> str:
@@ -54,8 +57,19 @@ def run_example(command: list[str], tmp_path: Path, timeout: float = TIMEOUT) ->
         os.killpg(launch.pid, signal.SIGKILL)  # the launcher and every worker it started
         out, err = launch.communicate()
         pytest.fail(f"{command[-1]} did not finish in {timeout} s:\n{out[-2000:]}{err[-3000:]}")
+    if launch.returncode != 0 and aborted_at_exit(out, err):
+        return out  # the summary is complete: the callers check it as for a clean exit
     assert launch.returncode == 0, f"exit {launch.returncode}:\n{out[-2000:]}\n{err[-3000:]}"
     return out
+
+
+def aborted_at_exit(out: str, err: str) -> bool:
+    """Whether a failed torchrun launch is only gloo's abort at exit: its message, the
+    summary's traffic line on stdout, and no worker lost but to that abort (SIGABRT, -6)
+    or to the SIGTERM (-15) torchrun then sends the others."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+    return (TEARDOWN_ABORT in err and bool(TRAFFIC.search(out)) and bool(codes)
+            and set(codes) <= {"-6", "-15"})  # fmt: skip
 
 
 def traffic(out: str) -> tuple[float, float]:
@@ -185,3 +199,12 @@ def test_the_cost_model_example_plans_and_calibrates_in_one_process(tmp_path):
     chosen = dict(re.findall(r"^calibrate at (.+?): compressed (\d) of 3", out, re.MULTILINE))
     # on a slow link compression always pays; at 1 Tbit/s its computation never does
     assert chosen["10 Mbit/s"] == "3" and chosen["1 Tbit/s"] == "0"
+
+
+def test_only_gloos_abort_at_exit_after_a_complete_summary_is_forgiven():
+    summary = "traffic: sent 15.6 kB, dense would send 126.3 kB (8.12x less, 110.8 kB saved)\n"
+    report = f"{TEARDOWN_ABORT}\n  exitcode  : -15 (pid: 2)\n  exitcode  : -6 (pid: 1)\n"
+    assert aborted_at_exit(summary, report)
+    assert not aborted_at_exit("loss: 0.9\n", report)  # the work did not finish
+    assert not aborted_at_exit(summary, report.replace("-6", "1"))  # a worker failed
+    assert not aborted_at_exit(summary, report.replace(TEARDOWN_ABORT, "Traceback"))
