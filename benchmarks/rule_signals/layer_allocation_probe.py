@@ -25,13 +25,14 @@ from pathlib import Path
 
 import adam_noise_probe as noise_probe
 import layer_allocation as study
-import torch
 
-from accordion.compress import NormalQuantizer, Reducer
-from accordion.compress.memory import NoMemory
-from accordion.compress.transport import LocalTransport
+from accordion.audit import rung_gaps
+from accordion.compress import compressor_class
+from accordion.policy import Ladder
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "layer_allocation_probe.json"
+#: The widths as a ladder: what L-GreCo's measurement compresses each accumulator at.
+LADDER = Ladder(compressor_class("nq"), study.BITS)
 
 
 class Allocator:
@@ -48,12 +49,14 @@ class Allocator:
     def __call__(self, step, reducers, grads):
         if step % study.WINDOW == 0:
             errors = [[0.0] * len(study.BITS) for _ in self.shapes]
+            keys = [str(k) for k in range(len(self.shapes))]
             for reducer, local in zip(reducers, grads):
-                for k, g in enumerate(local):
-                    owed = reducer.memory.get(k)
-                    acc = g if owed is None else g + owed
-                    for j, b in enumerate(study.BITS):
-                        errors[k][j] += one_shot_error(acc, b)
+                owed = [reducer.memory.get(k) for k in range(len(local))]
+                accumulators = [g if e is None else g + e for g, e in zip(local, owed)]
+                # |C(a) - a| per width and tensor, one shot, nothing remembered
+                for j, gaps in enumerate(rung_gaps(LADDER, keys, accumulators, {})):
+                    for k, gap in enumerate(gaps):
+                        errors[k][j] += gap * gap
             budget = sum(row[study.BITS.index(study.REFERENCE)] for row in errors)
             _, _, picked = study.allocate(self.sizes, errors, budget)
             self.bits = [study.BITS[i] for i in picked]
@@ -64,13 +67,6 @@ class Allocator:
         ref = study.BITS.index(study.REFERENCE)
         self.sent += sum(row[study.BITS.index(b)] for row, b in zip(self.sizes, self.bits))
         self.uniform += sum(row[ref] for row in self.sizes)
-
-
-def one_shot_error(acc: torch.Tensor, bits: int) -> float:
-    """``|C(acc) - acc|^2`` of one worker's tensor at ``bits``, nothing remembered."""
-    copy = acc.detach().clone()
-    LocalTransport().run(Reducer(NormalQuantizer(bits), NoMemory()).exchange([0], [copy], 1))
-    return float((copy.double() - acc.double()).norm() ** 2)
 
 
 def run(mode: str, seed: int, data) -> dict:
