@@ -1,0 +1,107 @@
+"""1-bit Adam's own exchange: after a 2-bit start, compress Adam's *momentum* at 1 bit with
+``v`` frozen, instead of the gradient. Does the character transformer keep dense quality?
+
+``frozen_variance_probe.py`` froze ``v`` at step ``FREEZE`` and went on compressing the
+gradient at 1 bit: +1.3% and +3.0% of validation loss. 1-bit Adam (Tang et al., 2021)
+exchanges the momentum instead: each worker folds its own gradient into the shared
+momentum, ``m_w = b1 * m + (1 - b1) * g_w``, the ``m_w`` are compressed with error feedback
+and averaged, and every worker takes the average as ``m``. With ``v`` frozen the update is
+linear in ``m``, so error feedback bounds the parameters' drift by one step's error on
+``m``, smaller than the gradient's because the momentum averages the noise.
+
+Modes (``adam_noise_probe.py``'s loop and its ``corrected`` 2-bit start until ``FREEZE``):
+
+* ``momentum1``: from ``FREEZE`` on, ``v`` frozen, the momentum at 1-bit ``nq``;
+* ``momentum2``: the same at 2 bits (what exchanging the momentum costs by itself).
+
+From ``FREEZE`` on there is no averaged gradient to clip with, so each worker scales its
+gradient by the true average's clip factor: one scalar per step, an oracle here, and the
+run counts the steps on which it binds. The momentum exchange starts with empty error
+feedback (the gradient's residual at the switch is one step's and is dropped).
+
+    PYTHONPATH=src:benchmarks/rule_signals .venv/bin/python \
+        benchmarks/rule_signals/momentum_probe.py [seed ...]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import adam_noise_probe as noise_probe
+import lm_probe as probe
+import numpy as np
+import torch
+
+from accordion.compress import ErrorFeedback, NormalQuantizer, Reducer
+from accordion.models import get_model
+
+FREEZE, FLOOR = 200, noise_probe.FLOOR
+MODES = ("momentum1", "momentum2")
+BITS_COST = {2: 2.25, 1: 1.25}  # bits per element on the wire, the block scale included
+OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "momentum_probe.json"
+
+
+def batches(seed: int, n: int):
+    """The probe's sample order: one permutation per epoch, seeded as in ``adam_noise_probe``."""
+    epochs = noise_probe.STEPS * probe.BATCH // n + 1
+    return torch.cat([torch.from_numpy(np.random.RandomState(seed * 100 + e).permutation(n))
+                      for e in range(epochs)])  # fmt: skip
+
+
+def moment_exchange(reducers, locals_):
+    """The compressed average of the workers' momenta (worker 0's copy)."""
+    average, _ = noise_probe.averaged(reducers, locals_)
+    return average
+
+
+def train(mode: str, seed: int, data) -> dict:
+    """One run of ``mode``: the 2-bit corrected start, then momentum exchanged at 1 or 2 bits."""
+    torch.manual_seed(seed)
+    model = get_model("transformer-tiny", ntoken=len(data.vocabulary))
+    params, order = list(model.parameters()), batches(seed, len(data.x_train))
+    grad_reducers = [Reducer(NormalQuantizer(2), ErrorFeedback()) for _ in range(2)]
+    for r in grad_reducers:
+        r.noise.on = True
+    bits = 1 if mode == "momentum1" else 2
+    m_reducers = [Reducer(NormalQuantizer(bits), ErrorFeedback()) for _ in range(2)]
+    m, v, s = ([torch.zeros_like(p) for p in params] for _ in range(3))
+    (b1, b2), clipped = probe.BETAS, 0
+    for step in range(noise_probe.STEPS):
+        lr = probe.lr_at(step, noise_probe.STEPS)
+        idx = order[step * probe.BATCH : (step + 1) * probe.BATCH]
+        grads, _ = probe.local_grads(model, params, data.x_train, data.y_train, idx)
+        with torch.no_grad():
+            if step < FREEZE:
+                first_moment(m, v, s, grads, grad_reducers)
+            else:
+                tcoef = noise_probe.clip_factor([(a + b) / 2 for a, b in zip(*grads)])
+                clipped += tcoef < 1
+                locals_ = [[b1 * mi + (1 - b1) * g * tcoef for mi, g in zip(m, gw)] for gw in grads]
+                for mi, new in zip(m, moment_exchange(m_reducers, locals_)):
+                    mi.copy_(new)
+            t, tv = step + 1, min(step + 1, FREEZE)
+            for i, p in enumerate(params):
+                used = torch.maximum(v[i] - s[i], FLOOR * v[i])
+                p.mul_(1 - lr * probe.WD)
+                p.sub_(lr * (m[i] / (1 - b1**t)) / ((used / (1 - b2**tv)).sqrt() + probe.EPS))
+    loss, accuracy = probe.evaluate(model, data.x_test, data.y_test)
+    cost = FREEZE * BITS_COST[2] + (noise_probe.STEPS - FREEZE) * BITS_COST[bits]
+    return {"val_loss": loss, "accuracy": accuracy, "clipped_after_freeze": clipped,
+            "bytes_over_static2": cost / (noise_probe.STEPS * BITS_COST[2])}  # fmt: skip
+
+
+def first_moment(m, v, s, grads, reducers) -> None:
+    """``adam_noise_probe``'s ``corrected`` step before the freeze: the 2-bit average folded
+    into ``m`` and ``v``, and its predicted noise into ``s``."""
+    b1, b2 = probe.BETAS
+    sent, noise = noise_probe.averaged(reducers, grads)
+    coef = noise_probe.clip_factor(sent)
+    for i, g in enumerate(sent):
+        g = g * coef
+        m[i].mul_(b1).add_(g, alpha=1 - b1)
+        v[i].mul_(b2).add_(g * g, alpha=1 - b2)
+        s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
+
+
+if __name__ == "__main__":
+    noise_probe.run_seeds(train, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)
