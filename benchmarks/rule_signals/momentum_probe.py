@@ -12,7 +12,11 @@ linear in ``m``, so error feedback bounds the parameters' drift by one step's er
 Modes (``adam_noise_probe.py``'s loop and its ``corrected`` 2-bit start until ``FREEZE``):
 
 * ``momentum1``: from ``FREEZE`` on, ``v`` frozen, the momentum at 1-bit ``nq``;
-* ``momentum2``: the same at 2 bits (what exchanging the momentum costs by itself).
+* ``momentum2``: the same at 2 bits (what exchanging the momentum costs by itself);
+
+and beside them, on the same machine, plain AdamW ``dense``, ``dense-frozen`` (``v`` frozen
+at ``FREEZE``) and ``grad1`` (``frozen_variance_probe``'s ``nq2to1-frozen``: the gradient
+at 1 bit after the freeze, the same bytes as ``momentum1``).
 
 From ``FREEZE`` on there is no averaged gradient to clip with, so each worker scales its
 gradient by the true average's clip factor: one scalar per step, an oracle here, and the
@@ -28,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import adam_noise_probe as noise_probe
+import frozen_variance_probe as frozen_probe
 import lm_probe as probe
 import numpy as np
 import torch
@@ -36,7 +41,7 @@ from accordion.compress import ErrorFeedback, NormalQuantizer, Reducer
 from accordion.models import get_model
 
 FREEZE, FLOOR = 200, noise_probe.FLOOR
-MODES = ("momentum1", "momentum2")
+MODES = ("dense", "dense-frozen", "grad1", "momentum1", "momentum2")
 BITS_COST = {2: 2.25, 1: 1.25}  # bits per element on the wire, the block scale included
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "momentum_probe.json"
 
@@ -52,6 +57,15 @@ def moment_exchange(reducers, locals_):
     """The compressed average of the workers' momenta (worker 0's copy)."""
     average, _ = noise_probe.averaged(reducers, locals_)
     return average
+
+
+def run(mode: str, seed: int, data) -> dict:
+    """One run of ``mode``, the references by the probes they come from."""
+    if mode == "dense":
+        return noise_probe.train("dense", seed, data)
+    if mode in ("dense-frozen", "grad1"):
+        return frozen_probe.run({"grad1": "nq2to1-frozen"}.get(mode, mode), seed, data)
+    return train(mode, seed, data)
 
 
 def train(mode: str, seed: int, data) -> dict:
@@ -104,4 +118,4 @@ def first_moment(m, v, s, grads, reducers) -> None:
 
 
 if __name__ == "__main__":
-    noise_probe.run_seeds(train, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)
+    noise_probe.run_seeds(run, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)
