@@ -20,7 +20,10 @@ at 1 bit after the freeze, the same bytes as ``momentum1``).
 
 From ``FREEZE`` on there is no averaged gradient to clip with, so each worker scales its
 gradient by the true average's clip factor: one scalar per step, an oracle here, and the
-run counts the steps on which it binds. The momentum exchange starts with empty error
+run counts the steps on which it binds. ``momentum1-rms`` is ``momentum1`` without the
+oracle: the factor clips the root mean square of the workers' own gradient norms, one
+scalar each that a real exchange can average, and larger than the average's norm by the
+gradients' noise. The momentum exchange starts with empty error
 feedback (the gradient's residual at the switch is one step's and is dropped).
 
     PYTHONPATH=src:benchmarks/rule_signals .venv/bin/python \
@@ -41,7 +44,7 @@ from accordion.compress import ErrorFeedback, NormalQuantizer, Reducer
 from accordion.models import get_model
 
 FREEZE, FLOOR = 200, noise_probe.FLOOR
-MODES = ("dense", "dense-frozen", "grad1", "momentum1", "momentum2")
+MODES = ("dense", "dense-frozen", "grad1", "momentum1", "momentum2", "momentum1-rms")
 BITS_COST = {2: 2.25, 1: 1.25}  # bits per element on the wire, the block scale included
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "momentum_probe.json"
 
@@ -76,7 +79,7 @@ def train(mode: str, seed: int, data) -> dict:
     grad_reducers = [Reducer(NormalQuantizer(2), ErrorFeedback()) for _ in range(2)]
     for r in grad_reducers:
         r.noise.on = True
-    bits = 1 if mode == "momentum1" else 2
+    bits = 2 if mode == "momentum2" else 1
     m_reducers = [Reducer(NormalQuantizer(bits), ErrorFeedback()) for _ in range(2)]
     m, v, s = ([torch.zeros_like(p) for p in params] for _ in range(3))
     (b1, b2), clipped = probe.BETAS, 0
@@ -88,7 +91,7 @@ def train(mode: str, seed: int, data) -> dict:
             if step < FREEZE:
                 first_moment(m, v, s, grads, grad_reducers)
             else:
-                tcoef = noise_probe.clip_factor([(a + b) / 2 for a, b in zip(*grads)])
+                tcoef = clip_after_freeze(mode, grads)
                 clipped += tcoef < 1
                 locals_ = [[b1 * mi + (1 - b1) * g * tcoef for mi, g in zip(m, gw)] for gw in grads]
                 for mi, new in zip(m, moment_exchange(m_reducers, locals_)):
@@ -102,6 +105,15 @@ def train(mode: str, seed: int, data) -> dict:
     cost = FREEZE * BITS_COST[2] + (noise_probe.STEPS - FREEZE) * BITS_COST[bits]
     return {"val_loss": loss, "accuracy": accuracy, "clipped_after_freeze": clipped,
             "bytes_over_static2": cost / (noise_probe.STEPS * BITS_COST[2])}  # fmt: skip
+
+
+def clip_after_freeze(mode: str, grads) -> float:
+    """The clip factor after the freeze: the true average's (an oracle), or for
+    ``momentum1-rms`` the root mean square of the workers' own norms'."""
+    if mode != "momentum1-rms":
+        return noise_probe.clip_factor([(a + b) / 2 for a, b in zip(*grads)])
+    squares = [float(sum(g.square().sum() for g in gw)) for gw in grads]
+    return min(1.0, probe.CLIP / ((sum(squares) / len(squares)) ** 0.5 + 1e-6))
 
 
 def first_moment(m, v, s, grads, reducers) -> None:
