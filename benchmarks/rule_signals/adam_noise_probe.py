@@ -36,6 +36,7 @@ from accordion.harness.data.charlm import load_charlm
 from accordion.models import get_model
 
 STEPS, BITS, FLOOR = 896, 2, 0.25
+MODEL, TRAIN_SAMPLES = "transformer-tiny", 28672  # charlm-tiny's (momentum_probe.py: --small)
 MODES = ("dense", "plain", "oracle", "corrected")
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "adam_noise_probe.json"
 
@@ -61,7 +62,7 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     on, if given, Adam's ``v`` and the noise estimate stop updating (1-bit Adam's freeze,
     ``frozen_variance_probe.py``)."""
     torch.manual_seed(seed)
-    model = get_model("transformer-tiny", ntoken=len(data.vocabulary))
+    model = get_model(MODEL, ntoken=len(data.vocabulary))
     params = list(model.parameters())
     n = len(data.x_train)
     order = torch.cat([torch.from_numpy(np.random.RandomState(seed * 100 + e).permutation(n))
@@ -107,7 +108,7 @@ def run_seeds(run, modes, report: dict, out: Path, shown=lambda row: row) -> Non
     after the settings in ``report``."""
     torch.set_num_threads(1)
     seeds = [int(a) for a in sys.argv[1:]] or [0]
-    data = load_charlm(28672, 1024, probe.BPTT)
+    data = load_charlm(TRAIN_SAMPLES, 1024, probe.BPTT)
     report = {**report, "runs": []}
     for seed in seeds:
         for mode in modes:

@@ -27,11 +27,16 @@ gradients' noise. The momentum exchange starts with empty error
 feedback (the gradient's residual at the switch is one step's and is dropped).
 
     PYTHONPATH=src:benchmarks/rule_signals .venv/bin/python \
-        benchmarks/rule_signals/momentum_probe.py [seed ...]
+        benchmarks/rule_signals/momentum_probe.py [--small] [seed ...]
+
+``--small`` runs the same probe at charlm-small's size: ``transformer-small``, 20,480
+windows, 640 steps, lr 2e-3, the freeze at step 143 (the same share of the run), into
+``momentum_probe_small.json``.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import adam_noise_probe as noise_probe
@@ -74,7 +79,7 @@ def run(mode: str, seed: int, data) -> dict:
 def train(mode: str, seed: int, data) -> dict:
     """One run of ``mode``: the 2-bit corrected start, then momentum exchanged at 1 or 2 bits."""
     torch.manual_seed(seed)
-    model = get_model("transformer-tiny", ntoken=len(data.vocabulary))
+    model = get_model(noise_probe.MODEL, ntoken=len(data.vocabulary))
     params, order = list(model.parameters()), batches(seed, len(data.x_train))
     grad_reducers = [Reducer(NormalQuantizer(2), ErrorFeedback()) for _ in range(2)]
     for r in grad_reducers:
@@ -129,5 +134,18 @@ def first_moment(m, v, s, grads, reducers) -> None:
         s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
 
 
+def use_small() -> None:
+    """The probe at charlm-small's size (see the module)."""
+    global FREEZE, OUT
+    noise_probe.MODEL, noise_probe.TRAIN_SAMPLES = "transformer-small", 20480
+    noise_probe.STEPS = 640
+    probe.LR, FREEZE = 2e-3, 143
+    frozen_probe.FREEZE = FREEZE
+    OUT = OUT.with_name("momentum_probe_small.json")
+
+
 if __name__ == "__main__":
+    if "--small" in sys.argv:
+        sys.argv.remove("--small")
+        use_small()
     noise_probe.run_seeds(run, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)
