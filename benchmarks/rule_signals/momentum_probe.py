@@ -29,9 +29,9 @@ feedback (the gradient's residual at the switch is one step's and is dropped).
     PYTHONPATH=src:benchmarks/rule_signals .venv/bin/python \
         benchmarks/rule_signals/momentum_probe.py [--small] [seed ...]
 
-``--small`` runs the same probe at charlm-small's size: ``transformer-small``, 20,480
-windows, 640 steps, lr 2e-3, the freeze at step 143 (the same share of the run), into
-``momentum_probe_small.json``.
+``--small`` runs the probe at charlm-small's size: ``transformer-small``, 20,480 windows,
+640 steps, lr 2e-3, the freeze at step 143 (the same share of the run), with the rows
+``SMALL_MODES``, into ``momentum_probe_small.json``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from accordion.models import get_model
 
 FREEZE, FLOOR = 200, noise_probe.FLOOR
 MODES = ("dense", "dense-frozen", "grad1", "momentum1", "momentum2", "momentum1-rms")
+SMALL_MODES = ("dense", "dense-frozen", "momentum1-rms")
 BITS_COST = {2: 2.25, 1: 1.25}  # bits per element on the wire, the block scale included
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "momentum_probe.json"
 
@@ -145,7 +146,10 @@ def use_small() -> None:
 
 
 if __name__ == "__main__":
+    modes = MODES
     if "--small" in sys.argv:
         sys.argv.remove("--small")
         use_small()
-    noise_probe.run_seeds(run, MODES, {"steps": noise_probe.STEPS, "freeze": FREEZE}, OUT)
+        modes = SMALL_MODES
+    report = {"steps": noise_probe.STEPS, "freeze": FREEZE, "model": noise_probe.MODEL}
+    noise_probe.run_seeds(run, modes, report, OUT)
