@@ -115,7 +115,7 @@ def train(mode: str, seed: int, data) -> dict:
 
 def clip_after_freeze(mode: str, grads) -> float:
     """The clip factor after the freeze: the true average's (an oracle), or for
-    ``momentum1-rms`` the root mean square of the workers' own norms'."""
+    ``momentum1-rms`` the root mean square of the workers' own norms."""
     if mode != "momentum1-rms":
         return noise_probe.clip_factor([(a + b) / 2 for a, b in zip(*grads)])
     squares = [float(sum(g.square().sum() for g in gw)) for gw in grads]
