@@ -60,7 +60,8 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     ``before_exchange(step, reducers, grads)``, if given, runs before each step's exchange
     (``layer_allocation_probe.py`` sets each tensor's bits there); from step ``freeze_at``
     on, if given, Adam's ``v`` and the noise estimate stop updating (1-bit Adam's freeze,
-    ``frozen_variance_probe.py``)."""
+    ``frozen_variance_probe.py``), and the row adds the relative error of the clipped
+    gradient Adam takes in after it, against the clipped true average."""
     torch.manual_seed(seed)
     model = get_model(MODEL, ntoken=len(data.vocabulary))
     params = list(model.parameters())
@@ -71,7 +72,7 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     for r in reducers:
         r.noise.on = True
     m, v, s = ([torch.zeros_like(p) for p in params] for _ in range(3))
-    (b1, b2), measured, predicted = probe.BETAS, 0.0, 0.0
+    (b1, b2), measured, predicted, after = probe.BETAS, 0.0, 0.0, [0.0, 0.0]
     for step in range(STEPS):
         lr = probe.lr_at(step, STEPS)
         idx = order[step * probe.BATCH : (step + 1) * probe.BATCH]
@@ -84,6 +85,8 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
         measured += sum(float((a - t).square().sum()) for a, t in zip(sent, true))
         predicted += sum(float(x.sum()) for x in noise)
         coef, tcoef = clip_factor(sent), clip_factor(true)
+        if freeze_at is not None and step >= freeze_at:  # the error Adam's step takes in
+            update_error(after, [a * coef for a in sent], [t * tcoef for t in true])
         with torch.no_grad():
             for i, p in enumerate(params):
                 g = sent[i] * coef
@@ -99,7 +102,19 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
                 p.sub_(lr * (m[i] / (1 - b1**t)) / ((used / (1 - b2**tv)).sqrt() + probe.EPS))
     loss, accuracy = probe.evaluate(model, data.x_test, data.y_test)
     ratio = measured / predicted if predicted else None
-    return {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
+    row = {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
+    return row if freeze_at is None else {**row, "update_error_after_freeze": relative(after)}
+
+
+def update_error(sums: list[float], got, want) -> None:
+    """Add ``|got - want|^2`` and ``|want|^2``, summed over the tensors, to ``sums``."""
+    sums[0] += sum(float((g - w).square().sum()) for g, w in zip(got, want))
+    sums[1] += sum(float(w.square().sum()) for w in want)
+
+
+def relative(sums: list[float]) -> float | None:
+    """The relative error ``sqrt(sum |got - want|^2 / sum |want|^2)`` of ``update_error``'s sums."""
+    return (sums[0] / sums[1]) ** 0.5 if sums[1] else None
 
 
 def run_seeds(run, modes, report: dict, out: Path, shown=lambda row: row) -> None:

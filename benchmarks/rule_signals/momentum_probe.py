@@ -88,7 +88,7 @@ def train(mode: str, seed: int, data) -> dict:
     bits = 2 if mode == "momentum2" else 1
     m_reducers = [Reducer(NormalQuantizer(bits), ErrorFeedback()) for _ in range(2)]
     m, v, s = ([torch.zeros_like(p) for p in params] for _ in range(3))
-    (b1, b2), clipped = probe.BETAS, 0
+    (b1, b2), clipped, after = probe.BETAS, 0, [0.0, 0.0]
     for step in range(noise_probe.STEPS):
         lr = probe.lr_at(step, noise_probe.STEPS)
         idx = order[step * probe.BATCH : (step + 1) * probe.BATCH]
@@ -100,8 +100,12 @@ def train(mode: str, seed: int, data) -> dict:
                 tcoef = clip_after_freeze(mode, grads)
                 clipped += tcoef < 1
                 locals_ = [[b1 * mi + (1 - b1) * g * tcoef for mi, g in zip(m, gw)] for gw in grads]
-                for mi, new in zip(m, moment_exchange(m_reducers, locals_)):
-                    mi.copy_(new)
+                new = moment_exchange(m_reducers, locals_)
+                true = [(a + b) / 2 * tcoef for a, b in zip(*grads)]
+                noise_probe.update_error(after, [(n - b1 * mi) / (1 - b1) for n, mi in zip(new, m)],
+                                         true)  # fmt: skip
+                for mi, n in zip(m, new):
+                    mi.copy_(n)
             t, tv = step + 1, min(step + 1, FREEZE)
             for i, p in enumerate(params):
                 used = torch.maximum(v[i] - s[i], FLOOR * v[i])
@@ -110,6 +114,7 @@ def train(mode: str, seed: int, data) -> dict:
     loss, accuracy = probe.evaluate(model, data.x_test, data.y_test)
     cost = FREEZE * BITS_COST[2] + (noise_probe.STEPS - FREEZE) * BITS_COST[bits]
     return {"val_loss": loss, "accuracy": accuracy, "clipped_after_freeze": clipped,
+            "update_error_after_freeze": noise_probe.relative(after),
             "bytes_over_static2": cost / (noise_probe.STEPS * BITS_COST[2])}  # fmt: skip
 
 
