@@ -43,3 +43,12 @@ def test_the_oracle_clip_clips_the_norm_of_the_true_average():
     norm = float(torch.cat([((a + b) / 2).reshape(-1) for a, b in zip(*grads)]).norm())
     assert norm > 1
     assert probe.clip_after_freeze("momentum1", grads) == pytest.approx(1 / norm, rel=1e-5)
+
+
+def test_the_update_error_is_the_root_of_the_summed_squared_errors_over_the_summed_squares():
+    sums = [0.0, 0.0]
+    probe.noise_probe.update_error(sums, [torch.tensor([3.0, 0.0])], [torch.tensor([0.0, 0.0])])
+    probe.noise_probe.update_error(sums, [torch.tensor([1.0])], [torch.tensor([4.0])])
+    assert sums == [9.0 + 9.0, 16.0]
+    assert probe.noise_probe.relative(sums) == pytest.approx((18 / 16) ** 0.5)
+    assert probe.noise_probe.relative([0.0, 0.0]) is None
