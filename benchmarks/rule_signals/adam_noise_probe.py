@@ -65,9 +65,7 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     torch.manual_seed(seed)
     model = get_model(MODEL, ntoken=len(data.vocabulary))
     params = list(model.parameters())
-    n = len(data.x_train)
-    order = torch.cat([torch.from_numpy(np.random.RandomState(seed * 100 + e).permutation(n))
-                       for e in range(STEPS * probe.BATCH // n + 1)])  # fmt: skip
+    order = sample_order(seed, len(data.x_train))
     reducers = [Reducer(NormalQuantizer(BITS), ErrorFeedback()) for _ in range(2)]
     for r in reducers:
         r.noise.on = True
@@ -104,6 +102,12 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     ratio = measured / predicted if predicted else None
     row = {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
     return row if freeze_at is None else {**row, "update_error_after_freeze": relative(after)}
+
+
+def sample_order(seed: int, n: int) -> torch.Tensor:
+    """The probes' sample order over ``n`` windows: one seeded permutation per epoch."""
+    return torch.cat([torch.from_numpy(np.random.RandomState(seed * 100 + e).permutation(n))
+                      for e in range(STEPS * probe.BATCH // n + 1)])  # fmt: skip
 
 
 def update_error(sums: list[float], got, want) -> None:

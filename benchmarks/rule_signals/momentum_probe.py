@@ -42,7 +42,6 @@ from pathlib import Path
 import adam_noise_probe as noise_probe
 import frozen_variance_probe as frozen_probe
 import lm_probe as probe
-import numpy as np
 import torch
 
 from accordion.compress import ErrorFeedback, NormalQuantizer, Reducer
@@ -53,13 +52,6 @@ MODES = ("dense", "dense-frozen", "grad1", "momentum1", "momentum2", "momentum1-
 SMALL_MODES = ("dense", "dense-frozen", "momentum1-rms")
 BITS_COST = {2: 2.25, 1: 1.25}  # bits per element on the wire, the block scale included
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "momentum_probe.json"
-
-
-def batches(seed: int, n: int):
-    """The probe's sample order: one permutation per epoch, seeded as in ``adam_noise_probe``."""
-    epochs = noise_probe.STEPS * probe.BATCH // n + 1
-    return torch.cat([torch.from_numpy(np.random.RandomState(seed * 100 + e).permutation(n))
-                      for e in range(epochs)])  # fmt: skip
 
 
 def moment_exchange(reducers, locals_):
@@ -81,7 +73,7 @@ def train(mode: str, seed: int, data) -> dict:
     """One run of ``mode``: the 2-bit corrected start, then momentum exchanged at 1 or 2 bits."""
     torch.manual_seed(seed)
     model = get_model(noise_probe.MODEL, ntoken=len(data.vocabulary))
-    params, order = list(model.parameters()), batches(seed, len(data.x_train))
+    params, order = list(model.parameters()), noise_probe.sample_order(seed, len(data.x_train))
     grad_reducers = [Reducer(NormalQuantizer(2), ErrorFeedback()) for _ in range(2)]
     for r in grad_reducers:
         r.noise.on = True
