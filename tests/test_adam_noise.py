@@ -293,7 +293,7 @@ def test_the_adam_noise_suffix_parses_on_static_and_accordion_strategies_not_on_
     assert parse_strategy("static:nq:2:adam-noise").adam_noise
     assert parse_strategy("accordion:mixed:nq/2,nq/1:adam-noise").adam_noise
     assert not parse_strategy("static:nq:2").adam_noise
-    with pytest.raises(ValueError, match="without :auto or :adam-noise"):
+    with pytest.raises(ValueError, match="without :auto, :adam-noise"):
         parse_strategy("diloco:10+static:nq:2:adam-noise")
     with pytest.raises(ValueError, match="repeats a suffix"):
         parse_strategy("static:nq:2:adam-noise:adam-noise")

@@ -25,6 +25,7 @@ DOCUMENTED = [
     "FSDPState",
     "GuardedRule",
     "Ladder",
+    "MomentumExchange",
     "Observation",
     "PaperRule",
     "Rule",

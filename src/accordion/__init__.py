@@ -4,11 +4,11 @@ Implements Accordion (Agarwal et al., MLSys 2021): compress mildly in critical l
 regimes and aggressively elsewhere. At the top level: the DDP hook (``AccordionState``,
 ``accordion_hook``), its base ``Controller``, the FSDP2 adapter ``FSDPState``, rare
 compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, Adam's noise correction
-``AdamNoiseCorrection``, the rules and policy parts (``Rule``, ``PaperRule``,
-``GuardedRule``, ``AuditRule``, ``AllocationRule``, ``Ladder``, ``Observation``,
-``Schedule``), ``Checkpointer``, ``calibrate``, the plans (``make_plan``, ``layer_plan``,
-``scaling_plan``), ``compressor_names``, ``make_compressor``, ``summarize`` and
-``__version__``. Modules:
+``AdamNoiseCorrection``, its momentum exchange ``MomentumExchange``, the rules and policy
+parts (``Rule``, ``PaperRule``, ``GuardedRule``, ``AuditRule``, ``AllocationRule``,
+``Ladder``, ``Observation``, ``Schedule``), ``Checkpointer``, ``calibrate``, the plans
+(``make_plan``, ``layer_plan``, ``scaling_plan``), ``compressor_names``,
+``make_compressor``, ``summarize`` and ``__version__``. Modules:
 
 * ``accordion.ddp`` -- Accordion as a DDP communication hook (``AccordionState``);
 * ``accordion.fsdp`` -- Accordion across the replicas of FSDP2's hybrid sharding;
@@ -16,6 +16,7 @@ compressed syncs ``DiLoCo`` and ``StreamingDiLoCo``, Adam's noise correction
 * ``accordion.diloco_streaming`` -- Streaming DiLoCo: fragments synced in turn, overlapped;
 * ``accordion.controller`` -- the parts of Accordion for one model, joined;
 * ``accordion.adam_noise`` -- Adam's second moment corrected for compression noise;
+* ``accordion.momentum_exchange`` -- Adam's momentum exchanged compressed, ``v`` frozen;
 * ``accordion.compress`` -- compressors, error-feedback memory and transports;
 * ``accordion.policy`` -- the rules, ladders and schedules of decisions (pure logic);
 * ``accordion.statistic`` / ``accordion.statistics`` -- what a rule decides from;
@@ -54,6 +55,7 @@ from .ddp import AccordionState, accordion_hook
 from .diloco import DiLoCo
 from .diloco_streaming import StreamingDiLoCo
 from .fsdp import FSDPState
+from .momentum_exchange import MomentumExchange
 from .plan import layer_plan, make_plan, scaling_plan
 from .policy import (
     AllocationRule,
@@ -81,6 +83,7 @@ __all__ = [
     "FSDPState",
     "GuardedRule",
     "Ladder",
+    "MomentumExchange",
     "Observation",
     "PaperRule",
     "Rule",

@@ -98,6 +98,10 @@ class AdamNoiseCorrection:
             raise ValueError(f"floor must be a number in (0, 1], got {floor!r}")
         if getattr(optimizer, _HOOKED, None) is not None:  # two would subtract the noise twice
             raise ValueError("optimizer has an AdamNoiseCorrection already: remove() it first")
+        if getattr(optimizer, "_accordion_momentum_exchange", None) is not None:
+            raise ValueError("optimizer has a MomentumExchange already: create the "
+                             "AdamNoiseCorrection first, so that the freeze holds "
+                             "its moment")  # fmt: skip
         self.optimizer: torch.optim.Optimizer = optimizer
         self.state: Controller = state
         self.floor: float = float(floor)
@@ -117,6 +121,12 @@ class AdamNoiseCorrection:
         self._handles = []
         if getattr(self.optimizer, _HOOKED, None) is self:
             setattr(self.optimizer, _HOOKED, None)
+
+    def used(self, param: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The second moment Adam would use for ``param`` whose plain one is ``v``:
+        ``max(v - s, floor * v)`` with the noise average ``s`` so far (``v`` without one)."""
+        s = self._noise.get(param)
+        return v if s is None else torch.maximum(v - s.to(v.dtype), v * self.floor)
 
     def _noises(self) -> tuple[list[tuple[torch.Tensor, dict, torch.Tensor]], float]:
         """``(parameter, group, variance)`` of each parameter with a known error, and
@@ -152,7 +162,7 @@ class AdamNoiseCorrection:
                 continue
             g2 = p.grad.detach().square().to(v.dtype)  # type: ignore[union-attr]
             plain = v * beta2 + g2 * (1 - beta2)  # what Adam's update will make of v
-            used = torch.maximum(plain - s.to(v.dtype), plain * self.floor)
+            used = self.used(p, plain)
             v.copy_((used - g2 * (1 - beta2)) / beta2)  # so that Adam's update gives `used`
             self._pending.append((v, plain))
         if self._pending:

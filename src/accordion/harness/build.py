@@ -15,12 +15,13 @@ from ..controller import Controller
 from ..diloco import OUTER_LR, OUTER_MOMENTUM, WARMUP_WINDOW, DiLoCo
 from ..diloco_streaming import StreamingDiLoCo
 from ..models import get_model
+from ..momentum_exchange import MomentumExchange
 from ..policy import PaperRule
 from .attach import attach_strategy
 from .baselines import Traffic
 from .config import TrainConfig
 from .data import ClassificationData, LanguageData, SequenceData, load_task
-from .loop import Run, step_compute
+from .loop import Run, epoch_steps, step_compute
 from .records import Logger
 from .strategies import Strategy, parse_strategy
 
@@ -57,6 +58,10 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     correction = None
     if strategy.adam_noise and strategy.sync_every is None:
         correction = _correct_adam(config, optimizer, state)
+    exchange = None
+    if strategy.momentum_freeze is not None:  # after the correction, whose moment it holds
+        steps = epoch_steps(data, config, world, config.batch_size)
+        exchange = _exchange_momentum(config, strategy, optimizer, state, steps)
     logger = Logger(config.out if rank == 0 else None, config)
     diloco = None
     if strategy.sync_every is not None:
@@ -77,7 +82,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
             correction = _correct_adam(config, optimizer, diloco.warmup_state)
     return Run(config, strategy, rank, world, device, data, controller, model, ddp, state,
                traffic, optimizer, logger, compute_s if config.measure_compute else None,
-               diloco, correction)  # fmt: skip
+               diloco, correction, exchange)  # fmt: skip
 
 
 def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
@@ -88,6 +93,21 @@ def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
                          f"moment: it needs --optimizer adamw, got "
                          f"{config.optimizer!r}")  # fmt: skip
     return AdamNoiseCorrection(optimizer, state)
+
+
+def _exchange_momentum(config: TrainConfig, strategy: Strategy,
+                       optimizer: torch.optim.Optimizer, state: Controller | None,
+                       steps_per_epoch: int) -> MomentumExchange:  # fmt: skip
+    """The ``momentum=P/LEVEL`` suffix: AdamW's momentum exchanged from P% of the run's
+    optimizer steps on (at least one step in)."""
+    if config.optimizer != "adamw" or state is None:
+        raise ValueError(f"strategy {config.strategy!r}: momentum=P/LEVEL exchanges AdamW's "
+                         f"momentum: it needs --optimizer adamw, got "
+                         f"{config.optimizer!r}")  # fmt: skip
+    total = config.epochs * steps_per_epoch
+    freeze_at = max(1, round(total * strategy.momentum_freeze / 100))  # type: ignore[operator]
+    return MomentumExchange(optimizer, state, freeze_at, strategy.momentum_level,
+                            clip=config.clip)  # fmt: skip
 
 
 def make_outer_optimizer(strategy: Strategy):

@@ -25,6 +25,7 @@ from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
 from ..ddp import AccordionState
 from ..diloco import DiLoCo
+from ..momentum_exchange import MomentumExchange
 from .baselines import Traffic
 from .config import TrainConfig
 from .data import (
@@ -61,6 +62,8 @@ class Run:
     diloco: DiLoCo | None = None
     #: The ``adam-noise`` strategies' correction of AdamW's second moment, else ``None``.
     adam_noise: AdamNoiseCorrection | None = None
+    #: The ``momentum=P/LEVEL`` strategies' exchange of AdamW's momentum, else ``None``.
+    momentum: MomentumExchange | None = None
 
 
 def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
@@ -75,6 +78,7 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
     loss_sum, batches, step_times = train_epoch(
         run.ddp, run.data, config, run.optimizer, run.rank, run.world, epoch, steps_per_epoch,
         run.device, run.traffic, batch, controller, state=state, diloco=run.diloco,
+        exchange=run.momentum,
     )  # fmt: skip
     if run.diloco is not None and run.strategy.final_sync and epoch == config.epochs - 1:
         run.diloco.finish()  # the last round, cut short by the end: averaged and scored
@@ -111,14 +115,17 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
 
 def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoch, device,
                 traffic: Traffic, batch: int, controller, state: AccordionState | None = None,
-                diloco: DiLoCo | None = None) -> tuple[float, int, list[float]]:  # fmt: skip
+                diloco: DiLoCo | None = None, exchange: MomentumExchange | None = None,
+                ) -> tuple[float, int, list[float]]:  # fmt: skip
     """One epoch of optimizer steps on global batches of ``batch`` samples. With a batch
     controller, each rank's share is split into micro-batches whose gradients accumulate
     under ``no_sync()``: one all-reduce and one optimizer step per global batch. With a
     ``state`` counting steps (``interval_unit="step"``), ``state.end_step`` follows every
     optimizer step, given the next step's scheduled rate (collective at a window's end).
     With ``diloco``, backward runs under ``no_sync()`` (each rank's own gradient) and
-    ``diloco.step()`` follows each optimizer step (collective at a round's end).
+    ``diloco.step()`` follows each optimizer step (collective at a round's end). With an
+    ``exchange`` past its freeze, backward runs under ``no_sync()`` and the exchange
+    averages (and clips) the momenta instead.
 
     Returns this rank's loss sum, the number of steps and each step's wall time (s, from
     before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
@@ -141,18 +148,23 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         started = time.perf_counter()  # local clock only: timing must not change what is sent
         optimizer.zero_grad(set_to_none=True)
         x, y = x.to(device), y.to(device)
+        exchanging = exchange is not None and exchange.active
         if language:
             if hidden is not None:
                 hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
-            logits, hidden = ddp(x, hidden)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
+            with ddp.no_sync() if exchanging else contextlib.nullcontext():
+                logits, hidden = ddp(x, hidden)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                   y.reshape(-1))  # fmt: skip
+                loss.backward()
             step_loss = loss.item()
-        elif diloco is not None:
+        elif diloco is not None or exchanging:
             step_loss = _accumulate(ddp, [x], [y], sync=False)
         else:
             step_loss = _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation))
-        if config.clip is not None:
+        if exchanging:
+            exchange.reduce()  # type: ignore[union-attr]  # it clips with config.clip
+        elif config.clip is not None:
             # DDP averages inside backward, so this clips the averaged gradient
             nn.utils.clip_grad_norm_(ddp.parameters(), config.clip)
         if controller is not None:

@@ -34,6 +34,8 @@ def resume(run: Run, saver: Checkpointer | None, result: RunResult) -> tuple[int
         _load_replica(run, extra, restored)
     if run.adam_noise is not None:  # the strategy, in the config, says it was saved
         run.adam_noise.load_state_dict(extra["adam_noise"])
+    if run.momentum is not None:  # after the correction: a restored freeze removes it
+        run.momentum.load_state_dict(extra["momentum"])
     if run.rank == 0:  # stderr: stdout holds the run's result
         print(f"resumed from {restored.path} (step {restored.step}: {restored.step} of "
               f"{run.config.epochs} epochs done)", file=sys.stderr, flush=True)  # fmt: skip
@@ -67,6 +69,8 @@ def save(run: Run, saver: Checkpointer, done: int, result: RunResult, train_time
              "traffic": run.traffic.state_dict(), "config": run.config.to_dict()}  # fmt: skip
     if run.adam_noise is not None:
         extra["adam_noise"] = run.adam_noise.state_dict()
+    if run.momentum is not None:
+        extra["momentum"] = run.momentum.state_dict()
     if run.diloco is not None:  # the replicas differ between syncs: every rank saves its own
         extra["replica"] = {"model": run.model.state_dict(),
                             "optimizer": run.optimizer.state_dict(),

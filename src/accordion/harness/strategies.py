@@ -18,7 +18,10 @@ has two or more levels, each compressing at least as much as the one before
 
 An ``:adam-noise`` suffix on a static or Accordion strategy (``static:nq:2:adam-noise``,
 ``--optimizer adamw``) corrects AdamW's second moment for the compression noise of the
-averages (:class:`accordion.AdamNoiseCorrection`).
+averages (:class:`accordion.AdamNoiseCorrection`). A ``:momentum=P/LEVEL`` suffix on a
+static strategy (``static:nq:2:adam-noise:momentum=22/1``) exchanges AdamW's momentum at
+``LEVEL`` instead of the gradient from P% of the run's steps on, its second moment frozen
+(:class:`accordion.MomentumExchange`).
 
 A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:auto``)
 turns the cost model on: before training the hook measures the link and the cost of
@@ -97,6 +100,7 @@ FORMATS = (
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
     "<static or accordion strategy>:adam-noise",
+    "static:COMPRESSOR:LEVEL[:adam-noise]:momentum=P/LEVEL",
     "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay][:open]",
     "torch-powersgd:R",
     "torch-fp16",
@@ -161,6 +165,8 @@ class Strategy:
     mix: float = 0.0  # the worker's own share of a fragment's parameters when it lands
     error_decay: float = 1.0  # the factor on the syncs' error-feedback memory (1: plain)
     adam_noise: bool = False  # AdamW's second moment corrected for compression noise
+    momentum_freeze: int | None = None  # AdamW's momentum exchanged from P% of the run on
+    momentum_level: Any = None  # the compressor's level for the momenta then
     sync_growth: float = 0.0  # DiLoCo's rounds scale by (peak lr / lr) ** this (0: fixed H)
     min_sync_every: int | None = None  # the shortest round then (None: the schedule's default)
     max_sync_every: int | None = None  # the longest (None: the schedule's default)
@@ -255,6 +261,9 @@ def parse_strategy(text: str) -> Strategy:
     batch = _parse_batch(first, text)
     if batch is not None:
         comm = _parse_communication(rest, text) if plus else Strategy(text, "dense", "dense")
+        if comm.momentum_freeze is not None:  # the momenta would be exchanged per micro-batch
+            raise ValueError(f"strategy {text!r}: momentum=P/LEVEL does not combine with a "
+                             "batch strategy")  # fmt: skip
         mode, small, large = batch
         return dataclasses.replace(
             comm, text=text, batch_mode=mode, batch_small=small, batch_large=large
@@ -276,9 +285,11 @@ def _parse_diloco(first: str, rest: str, whole: str) -> Strategy:
                          f"an int >= 1; got {h!r}")  # fmt: skip
     found = _diloco_options(options, whole)
     comm = _parse_communication(rest, whole)
-    if comm.family not in ("dense", "static", "accordion") or comm.auto or comm.adam_noise:
+    if (comm.family not in ("dense", "static", "accordion") or comm.auto or comm.adam_noise
+            or comm.momentum_freeze is not None):  # fmt: skip
         raise ValueError(f"strategy {whole!r}: diloco:H combines with dense, a static or an "
-                         "accordion strategy (without :auto or :adam-noise)")  # fmt: skip
+                         "accordion strategy (without :auto, :adam-noise or "
+                         ":momentum)")  # fmt: skip
     _check_streaming(int(h), found.get("fragments", 1), found.get("delay", 0), whole)
     _check_growth(int(h), found, whole)
     return dataclasses.replace(comm, text=whole, sync_every=int(h), **found)
@@ -418,11 +429,16 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if family == "static":
         if len(items) != 1:
             raise _malformed(whole)
-        if set(options) - {"auto", "adam_noise"}:
+        if set(options) - {"auto", "adam_noise", "momentum_freeze"}:
             raise ValueError(
                 f"strategy {text!r}: a rule, interval, block or open needs an accordion strategy"
             )
+        if "momentum_freeze" in options:
+            options["momentum_freeze"], level = options["momentum_freeze"]
+            options["momentum_level"] = _level(cls, level, text)
         return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
+    if "momentum_freeze" in options:
+        raise ValueError(f"strategy {text!r}: momentum=P/LEVEL needs a static strategy")
     if len(items) < 2:
         raise _malformed(whole)
     for key, suffix in (("block", "block=N"), ("open_ladder", "open")):
@@ -445,6 +461,13 @@ def _is_budget(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_freeze(value: str) -> bool:
+    """Whether ``value`` is ``P/LEVEL`` with P an int percent in [1, 99] (the level is the
+    compressor's to check)."""
+    percent, slash, level = value.partition("/")
+    return bool(slash and level) and percent.isdigit() and 1 <= int(percent) <= 99
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
@@ -471,11 +494,14 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "tau", float(value)
         elif name == "ref" and value.isdigit():
             key, parsed = "reference", int(value)
+        elif name == "momentum" and _is_freeze(value):
+            key, parsed = "momentum_freeze", (int(value.partition("/")[0]), value.partition("/")[2])
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
-                "block=decay, open, tau=X (0 < X <= 1) or ref=N (N >= 0, a rung)"
+                "block=decay, open, tau=X (0 < X <= 1), ref=N (N >= 0, a rung) or "
+                "momentum=P/LEVEL (1 <= P <= 99, percent of the run's steps)"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
