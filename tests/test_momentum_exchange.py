@@ -132,11 +132,14 @@ def test_a_step_after_the_freeze_without_reduce_raises():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"freeze_at": 0}, ValueError, "freeze_at must be an int >= 1"),
-    ({"freeze_at": True}, ValueError, "freeze_at must be an int >= 1"),
-    ({"level": 9}, ValueError, "9"),
-    ({"clip": -1.0}, ValueError, "clip must be None or a positive finite number"),
-    ({"clip": math.inf}, ValueError, "clip must be None or a positive finite number"),
+    ({"freeze_at": 0}, ValueError, "freeze_at must be an int >= 1, got 0"),
+    ({"freeze_at": True}, TypeError, "freeze_at must be an int >= 1, got True"),
+    ({"freeze_at": 2.0}, TypeError, "freeze_at must be an int >= 1, got 2.0"),
+    ({"level": 9}, ValueError, "level: .* got 9"),
+    ({"level": "1"}, TypeError, "level: .* got '1'"),
+    ({"clip": -1.0}, ValueError, "clip must be > 0 and finite, got -1.0"),
+    ({"clip": math.inf}, ValueError, "clip must be > 0 and finite, got inf"),
+    ({"clip": "1"}, TypeError, "clip must be a number, got '1'"),
     ({"state": "nq"}, TypeError, "state must be an accordion Controller"),
 ])  # fmt: skip
 def test_bad_arguments_raise_naming_them(kwargs, error, match):

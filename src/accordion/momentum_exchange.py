@@ -25,12 +25,12 @@ On the character transformer (simulated 2 workers, 8 seeds) the momentum at 1 bi
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ._validate import check_int, check_number
 from .adam_noise import _HOOKED, AdamNoiseCorrection, _check_optimizer
 from .compress import ErrorFeedback, Reducer, compressor_class
 from .controller import Controller
@@ -40,15 +40,10 @@ from .report import Costs
 _EXCHANGED = "_accordion_momentum_exchange"
 
 
-def _check_args(state: Any, freeze_at: Any, clip: Any) -> None:
+def _check_state(state: Any) -> None:
     if not isinstance(state, Controller):
         raise TypeError(f"state must be an accordion Controller (AccordionState), "
                         f"got {type(state).__name__}")  # fmt: skip
-    if isinstance(freeze_at, bool) or not isinstance(freeze_at, int) or freeze_at < 1:
-        raise ValueError(f"freeze_at must be an int >= 1 (optimizer steps), got {freeze_at!r}")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real)
-                             or not 0 < clip < math.inf):  # fmt: skip
-        raise ValueError(f"clip must be None or a positive finite number, got {clip!r}")
 
 
 class MomentumExchange:
@@ -76,16 +71,21 @@ class MomentumExchange:
     def __init__(self, optimizer: torch.optim.Optimizer, state: Controller, freeze_at: int,
                  level: Any, clip: float | None = None):  # fmt: skip
         _check_optimizer(optimizer)
-        _check_args(state, freeze_at, clip)
+        _check_state(state)
+        freeze_at = check_int("freeze_at", freeze_at, 1)
+        clip = None if clip is None else check_number("clip", clip, minimum=0, strict=True)
         cls = compressor_class(state.compressor_name)
-        level = cls.check_level(level)
+        try:
+            level = cls.check_level(level)
+        except (TypeError, ValueError) as error:  # the compressor's message, the argument named
+            raise type(error)(f"level: {error}") from None
         if getattr(optimizer, _EXCHANGED, None) is not None:
             raise ValueError("optimizer has a MomentumExchange already: remove() it first")
         self.optimizer: torch.optim.Optimizer = optimizer
         self.state: Controller = state
         self.freeze_at: int = freeze_at
         self.level: Any = level
-        self.clip: float | None = None if clip is None else float(clip)
+        self.clip: float | None = clip
         #: The momenta's reducer: ``state``'s compressor at ``level``, its own memory.
         self.reducer: Reducer = Reducer(cls.build(level, seed=state.seed), ErrorFeedback())
         self._costs = Costs()
@@ -126,6 +126,9 @@ class MomentumExchange:
                              f"on; this is step {self.steps}: average the gradients as "
                              "usual until then")  # fmt: skip
         params = self._params()
+        if not params:  # nothing to send: the step may go on
+            self._reduced = True
+            return
         transport = self.state.transport()
         world = transport.world_size
         coef = self._clip_factor([p.grad for p, _ in params], transport)  # type: ignore[misc]
@@ -133,9 +136,11 @@ class MomentumExchange:
         with torch.no_grad():
             for p, group in params:
                 b1 = group["betas"][0]
-                m = self.optimizer.state[p]["exp_avg"]
-                offset = m * (b1 / (1 - b1))
-                grad = p.grad.mul_(coef).add_(offset.to(p.grad.dtype))  # type: ignore[union-attr]
+                m = self.optimizer.state.get(p, {}).get("exp_avg")  # None: Adam's first step
+                grad = p.grad
+                assert grad is not None  # _params() keeps those with one
+                offset = torch.zeros_like(grad) if m is None else m * (b1 / (1 - b1))
+                grad.mul_(coef).add_(offset.to(grad.dtype))
                 grads.append(grad)
                 offsets.append(offset)
             keys = self.state.params.keys([p for p, _ in params])
