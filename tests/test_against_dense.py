@@ -74,6 +74,15 @@ def test_the_best_static_level_ignores_adaptive_strategies():
     assert best_static(rows[1:]) is None
 
 
+def test_the_best_static_level_ignores_a_momentum_exchange_whose_level_changes():
+    rows = [
+        {"strategy": "static:nq:2:adam-noise", "keeps_dense": True, "bytes_ratio": 14.0},
+        {"strategy": "static:nq:2:adam-noise:momentum=22/1", "keeps_dense": True,
+         "bytes_ratio": 21.0},
+    ]  # fmt: skip
+    assert best_static(rows) == "static:nq:2:adam-noise"
+
+
 def test_perplexity_keeps_dense_within_half_a_percent_of_dense_perplexity():
     assert keeps_dense({"mean": 0.4, "dense_mean": 100.0}, "perplexity")
     assert not keeps_dense({"mean": 0.6, "dense_mean": 100.0}, "perplexity")

@@ -89,8 +89,10 @@ def keeps_dense(row: Mapping[str, Any], metric: str = "accuracy") -> bool:
 
 
 def best_static(rows: Sequence[Mapping[str, Any]]) -> str | None:
-    """The static strategy that keeps dense quality with the most bytes saved, or ``None``."""
-    kept = [r for r in rows if r["strategy"].startswith("static:") and r["keeps_dense"]]
+    """The static strategy that keeps dense quality with the most bytes saved, or ``None``.
+    One with a ``momentum=`` suffix is no static level: its level changes at the freeze."""
+    kept = [r for r in rows if r["strategy"].startswith("static:") and r["keeps_dense"]
+            and ":momentum=" not in r["strategy"]]  # fmt: skip
     kept = [r for r in kept if r["bytes_ratio"] is not None]
     return max(kept, key=lambda r: r["bytes_ratio"])["strategy"] if kept else None
 
