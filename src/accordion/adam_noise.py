@@ -34,6 +34,8 @@ from .controller import Controller
 DEFAULT_FLOOR = 0.25
 #: The attribute that marks an optimizer as corrected (one correction per optimizer).
 _HOOKED = "_accordion_noise_correction"
+#: The attribute that marks an optimizer as exchanging its momentum (``MomentumExchange``).
+_EXCHANGED = "_accordion_momentum_exchange"
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -56,6 +58,35 @@ def _check_optimizer(optimizer: Any) -> None:
                              "AdamW, whose decay leaves the second moment alone")  # fmt: skip
 
 
+class StepHooks:
+    """A pre- and a post-hook on an optimizer's step, marked on it by an attribute (one
+    object of a kind per optimizer), and their removal."""
+
+    optimizer: torch.optim.Optimizer
+    _attribute: str
+
+    def _hook(self, attribute: str) -> None:
+        self._attribute = attribute
+        step = self.optimizer
+        self._handles: list[Any] = [step.register_step_pre_hook(self._before),
+                                    step.register_step_post_hook(self._after)]  # fmt: skip
+        setattr(self.optimizer, attribute, self)
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before each step."""
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After each step."""
+
+    def remove(self) -> None:
+        """Unhook: the optimizer steps as plain Adam from now on."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if getattr(self.optimizer, self._attribute, None) is self:
+            setattr(self.optimizer, self._attribute, None)
+
+
 def noise_of(state: Controller, param: torch.Tensor) -> tuple[torch.Tensor | None,
                                                              torch.Tensor | None]:  # fmt: skip
     """``(variance, square)`` of ``param``'s last averaged gradient under ``state``: per
@@ -70,7 +101,7 @@ def noise_of(state: Controller, param: torch.Tensor) -> tuple[torch.Tensor | Non
     return reducer.noise.variance(key, reducer.compressor, feedback), reducer.noise.square(key)
 
 
-class AdamNoiseCorrection:
+class AdamNoiseCorrection(StepHooks):
     """Correct ``optimizer``'s second moment for the compression noise of ``state``'s
     averages (see the module), through the optimizer's step hooks.
 
@@ -98,7 +129,7 @@ class AdamNoiseCorrection:
             raise ValueError(f"floor must be a number in (0, 1], got {floor!r}")
         if getattr(optimizer, _HOOKED, None) is not None:  # two would subtract the noise twice
             raise ValueError("optimizer has an AdamNoiseCorrection already: remove() it first")
-        if getattr(optimizer, "_accordion_momentum_exchange", None) is not None:
+        if getattr(optimizer, _EXCHANGED, None) is not None:
             raise ValueError("optimizer has a MomentumExchange already: create the "
                              "AdamNoiseCorrection first, so that the freeze holds "
                              "its moment")  # fmt: skip
@@ -110,17 +141,7 @@ class AdamNoiseCorrection:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: Optimizer steps at which some parameter's second moment was corrected.
         self.corrected_steps: int = 0
-        self._handles: list[Any] = [optimizer.register_step_pre_hook(self._before),
-                         optimizer.register_step_post_hook(self._after)]  # fmt: skip
-        setattr(optimizer, _HOOKED, self)
-
-    def remove(self) -> None:
-        """Unhook: the optimizer steps as plain Adam from now on."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if getattr(self.optimizer, _HOOKED, None) is self:
-            setattr(self.optimizer, _HOOKED, None)
+        self._hook(_HOOKED)
 
     def used(self, param: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The second moment Adam would use for ``param`` whose plain one is ``v``:

@@ -31,13 +31,10 @@ from typing import Any
 import torch
 
 from ._validate import check_int, check_number
-from .adam_noise import _HOOKED, AdamNoiseCorrection, _check_optimizer
+from .adam_noise import _EXCHANGED, _HOOKED, AdamNoiseCorrection, StepHooks, _check_optimizer
 from .compress import ErrorFeedback, Reducer, compressor_class
 from .controller import Controller
 from .report import Costs
-
-#: The attribute that marks an optimizer as exchanging its momentum (one per optimizer).
-_EXCHANGED = "_accordion_momentum_exchange"
 
 
 def _check_state(state: Any) -> None:
@@ -46,7 +43,7 @@ def _check_state(state: Any) -> None:
                         f"got {type(state).__name__}")  # fmt: skip
 
 
-class MomentumExchange:
+class MomentumExchange(StepHooks):
     """From optimizer step ``freeze_at`` on, average Adam's momentum compressed at
     ``level`` instead of the gradient, with ``v`` frozen (see the module).
 
@@ -96,22 +93,12 @@ class MomentumExchange:
         self.steps: int = 0
         #: Steps after the freeze on which the clip bound.
         self.clipped_steps: int = 0
-        self._handles: list[Any] = [optimizer.register_step_pre_hook(self._before),
-                                    optimizer.register_step_post_hook(self._after)]  # fmt: skip
-        setattr(optimizer, _EXCHANGED, self)
+        self._hook(_EXCHANGED)
 
     @property
     def active(self) -> bool:
         """Whether the freeze has come: the momenta, not the gradients, are exchanged."""
         return self.steps >= self.freeze_at
-
-    def remove(self) -> None:
-        """Unhook: the optimizer steps as plain Adam from now on."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if getattr(self.optimizer, _EXCHANGED, None) is self:
-            setattr(self.optimizer, _EXCHANGED, None)
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         """``(parameter, group)`` of every parameter with a gradient, in the optimizer's order."""
