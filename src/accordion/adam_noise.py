@@ -78,6 +78,23 @@ class StepHooks:
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After each step."""
 
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizer, in its order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _per_param(self, name: str, values: Any) -> dict[torch.Tensor, torch.Tensor]:
+        """``values``, a list of one tensor (of the parameter's shape) or ``None`` per
+        parameter, as a dict of the tensors' clones; else ``ValueError`` naming ``name``."""
+        params = self._params()
+        if not isinstance(values, list) or len(values) != len(params):
+            raise ValueError(f"{name} must be a list of {len(params)} entries, one per "
+                             "parameter of the optimizer")  # fmt: skip
+        for i, (p, v) in enumerate(zip(params, values)):
+            if v is not None and (not isinstance(v, torch.Tensor) or v.shape != p.shape):
+                raise ValueError(f"{name}[{i}] must be None or a tensor of shape "
+                                 f"{tuple(p.shape)}, got {v!r:.80}")  # fmt: skip
+        return {p: v.clone() for p, v in zip(params, values) if v is not None}
+
     def remove(self) -> None:
         """Unhook: the optimizer steps as plain Adam from now on."""
         for handle in self._handles:
@@ -197,21 +214,12 @@ class AdamNoiseCorrection(StepHooks):
     def state_dict(self) -> dict[str, Any]:
         """The noise averages ``s`` in the optimizer's parameter order (``None`` where a
         parameter has none), the floor and the count of corrected steps."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return {"noise": [self._noise.get(p) for p in params], "floor": self.floor,
+        return {"noise": [self._noise.get(p) for p in self._params()], "floor": self.floor,
                 "corrected_steps": self.corrected_steps}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same optimizer's parameters; anything else
         is a ``ValueError`` naming it, and changes nothing."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         noise = state.get("noise") if isinstance(state, Mapping) else None
-        if not isinstance(noise, list) or len(noise) != len(params):
-            raise ValueError(f"noise must be a list of {len(params)} entries, one per "
-                             "parameter of the optimizer")  # fmt: skip
-        for i, (p, s) in enumerate(zip(params, noise)):
-            if s is not None and (not isinstance(s, torch.Tensor) or s.shape != p.shape):
-                raise ValueError(f"noise[{i}] must be None or a tensor of shape "
-                                 f"{tuple(p.shape)}, got {s!r:.80}")  # fmt: skip
-        self._noise = {p: s.clone() for p, s in zip(params, noise) if s is not None}
+        self._noise = self._per_param("noise", noise)
         self.corrected_steps = int(state.get("corrected_steps", 0))

@@ -100,7 +100,7 @@ class MomentumExchange(StepHooks):
         """Whether the freeze has come: the momenta, not the gradients, are exchanged."""
         return self.steps >= self.freeze_at
 
-    def _params(self) -> list[tuple[torch.Tensor, dict]]:
+    def _with_grads(self) -> list[tuple[torch.Tensor, dict]]:
         """``(parameter, group)`` of every parameter with a gradient, in the optimizer's order."""
         return [(p, g) for g in self.optimizer.param_groups for p in g["params"]
                 if p.grad is not None]  # fmt: skip
@@ -112,7 +112,7 @@ class MomentumExchange(StepHooks):
             raise ValueError(f"reduce() exchanges momenta from step freeze_at={self.freeze_at} "
                              f"on; this is step {self.steps}: average the gradients as "
                              "usual until then")  # fmt: skip
-        params = self._params()
+        params = self._with_grads()
         if not params:  # nothing to send: the step may go on
             self._reduced = True
             return
@@ -125,7 +125,7 @@ class MomentumExchange(StepHooks):
                 b1 = group["betas"][0]
                 m = self.optimizer.state.get(p, {}).get("exp_avg")  # None: Adam's first step
                 grad = p.grad
-                assert grad is not None  # _params() keeps those with one
+                assert grad is not None  # _with_grads() keeps those with one
                 offset = torch.zeros_like(grad) if m is None else m * (b1 / (1 - b1))
                 grad.mul_(coef).add_(offset.to(grad.dtype))
                 grads.append(grad)
@@ -162,7 +162,7 @@ class MomentumExchange(StepHooks):
                                "backward(): each rank would step on its own "
                                "gradient")  # fmt: skip
         self._reduced = False
-        for p, group in self._params():
+        for p, group in self._with_grads():
             held, state = self._frozen.get(p), optimizer.state.get(p, {})
             if held is None or "exp_avg_sq" not in state:
                 continue
@@ -195,8 +195,7 @@ class MomentumExchange(StepHooks):
     def state_dict(self) -> dict[str, Any]:
         """The steps, the held second moments in the optimizer's parameter order (``None``
         where a parameter has none), the momenta's reducer and the clip count."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return {"steps": self.steps, "frozen": [self._frozen.get(p) for p in params],
+        return {"steps": self.steps, "frozen": [self._frozen.get(p) for p in self._params()],
                 "reducer": self.reducer.state_dict(),
                 "clipped_steps": self.clipped_steps}  # fmt: skip
 
@@ -204,22 +203,15 @@ class MomentumExchange(StepHooks):
         """Restore a :meth:`state_dict` of the same optimizer's parameters (after the
         optimizer's and the correction's); anything else is a ``ValueError`` naming it,
         and changes nothing. A restored freeze removes the correction again."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not isinstance(state, Mapping):
             raise ValueError(f"state must be a MomentumExchange.state_dict(), got {state!r:.80}")
-        steps, frozen = state.get("steps"), state.get("frozen")
+        steps = state.get("steps")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        if not isinstance(frozen, list) or len(frozen) != len(params):
-            raise ValueError(f"frozen must be a list of {len(params)} entries, one per "
-                             "parameter of the optimizer")  # fmt: skip
-        for i, (p, v) in enumerate(zip(params, frozen)):
-            if v is not None and (not isinstance(v, torch.Tensor) or v.shape != p.shape):
-                raise ValueError(f"frozen[{i}] must be None or a tensor of shape "
-                                 f"{tuple(p.shape)}, got {v!r:.80}")  # fmt: skip
+        frozen = self._per_param("frozen", state.get("frozen"))
         self.reducer.load_state_dict(state.get("reducer", {}))
         self.steps = steps
-        self._frozen = {p: v.clone() for p, v in zip(params, frozen) if v is not None}
+        self._frozen = frozen
         self.clipped_steps = int(state.get("clipped_steps", 0))
         if self.active and self._correction is not None:
             self._correction.remove()
