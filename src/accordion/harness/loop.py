@@ -149,19 +149,8 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         optimizer.zero_grad(set_to_none=True)
         x, y = x.to(device), y.to(device)
         exchanging = exchange is not None and exchange.active
-        if language:
-            if hidden is not None:
-                hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
-            with ddp.no_sync() if exchanging else contextlib.nullcontext():
-                logits, hidden = ddp(x, hidden)
-                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                   y.reshape(-1))  # fmt: skip
-                loss.backward()
-            step_loss = loss.item()
-        elif diloco is not None or exchanging:
-            step_loss = _accumulate(ddp, [x], [y], sync=False)
-        else:
-            step_loss = _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation))
+        local = exchanging or (diloco is not None and not language)  # each rank's own gradient
+        step_loss, hidden = _step_gradients(ddp, x, y, hidden, language, local, accumulation)
         if exchanging:
             exchange.reduce()  # type: ignore[union-attr]  # it clips with config.clip
         elif config.clip is not None:
@@ -181,6 +170,24 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         loss_sum += step_loss
         count += 1
     return loss_sum, count, step_times
+
+
+def _step_gradients(ddp: DDP, x, y, hidden, language: bool, local: bool,
+                    accumulation: int) -> tuple[float, Any]:  # fmt: skip
+    """Forward and backward of one step: DDP averages the gradients (over ``accumulation``
+    micro-batches) unless ``local``, which keeps each rank's own under ``no_sync()``.
+    Returns this rank's loss and a language task's hidden state (truncated BPTT)."""
+    if language:
+        if hidden is not None:
+            hidden = tuple(h.detach() for h in hidden)  # truncated BPTT
+        with ddp.no_sync() if local else contextlib.nullcontext():
+            logits, hidden = ddp(x, hidden)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+        return loss.item(), hidden
+    if local:
+        return _accumulate(ddp, [x], [y], sync=False), hidden
+    return _accumulate(ddp, x.chunk(accumulation), y.chunk(accumulation)), hidden
 
 
 def _accumulate(ddp: DDP, xs, ys, sync: bool = True) -> float:
