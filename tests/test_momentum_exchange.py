@@ -116,6 +116,35 @@ def test_after_the_freeze_the_second_moment_stays_held_and_the_correction_is_rem
             torch.testing.assert_close(opt.state[p]["exp_avg_sq"], held[p] * bias)
 
 
+def one_worker_run(steps: int, freeze_at: int, lr=lambda step: LR, **kwargs) -> MomentumExchange:
+    """One worker at 2 bits, then the momentum at 1 bit; ``kwargs`` go to the exchange."""
+    net = make_net()
+    state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
+    opt = adamw(net)
+    exchange = MomentumExchange(opt, state, freeze_at, 1, **kwargs)
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = lr(step)
+        opt.zero_grad()
+        backward(net, step)
+        exchange.reduce() if exchange.active else state.reduce_gradients()
+        opt.step()
+    return exchange
+
+
+def test_the_norm_test_freezes_at_the_first_calm_window_before_freeze_at():
+    calm = one_worker_run(12, 50, freeze_eta=1e9, window=3)  # every window with a ratio
+    assert calm.frozen_at == 6 and calm.active  # the first window has none to compare
+    never = one_worker_run(12, 10, freeze_eta=1e-12, window=3)
+    assert never.frozen_at == 10
+    plain = one_worker_run(12, 10)
+    assert plain.frozen_at == 10
+
+
+def test_a_window_whose_learning_rate_rose_is_never_calm():
+    rising = one_worker_run(12, 10, lr=lambda step: LR * (step + 1), freeze_eta=1e9, window=3)
+    assert rising.frozen_at == 10
+
+
 def test_a_step_after_the_freeze_without_reduce_raises():
     net = make_net()
     state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
@@ -140,6 +169,8 @@ def test_a_step_after_the_freeze_without_reduce_raises():
     ({"clip": -1.0}, ValueError, "clip must be > 0 and finite, got -1.0"),
     ({"clip": math.inf}, ValueError, "clip must be > 0 and finite, got inf"),
     ({"clip": "1"}, TypeError, "clip must be a number, got '1'"),
+    ({"window": 0}, ValueError, "window must be an int >= 1, got 0"),
+    ({"freeze_eta": 0.0}, ValueError, "freeze_eta must be > 0 and finite, got 0.0"),
     ({"state": "nq"}, TypeError, "state must be an accordion Controller"),
 ])  # fmt: skip
 def test_bad_arguments_raise_naming_them(kwargs, error, match):
@@ -173,6 +204,10 @@ def test_a_bad_state_dict_raises_and_changes_nothing():
         exchange.load_state_dict({**saved, "steps": 5, "frozen": [torch.zeros(3)] + [None] * 3})
     with pytest.raises(ValueError, match="steps must be an int >= 0"):
         exchange.load_state_dict({**saved, "steps": -1})
+    with pytest.raises(ValueError, match=r"frozen_at must be None or an int in \[1, steps=3\]"):
+        exchange.load_state_dict({**saved, "steps": 3, "frozen_at": 4})
+    with pytest.raises(ValueError, match="test must be a norm test's state exactly when"):
+        exchange.load_state_dict({**saved, "test": {"sums": []}})
     assert exchange.steps == 0 and not exchange.active
 
 
@@ -201,13 +236,13 @@ def _steps(rank, net, ddp, state, opt, exchange, steps, start=0, record=None) ->
             record.setdefault("sent", []).append(state.ledger.total_bytes - before)
 
 
-def _build(level, levels, compressor, clip):
+def _build(level, levels, compressor, clip, freeze_at=3, **kwargs):
     net = make_net()
     state = AccordionState(net, compressor, levels=levels, interval_unit="step")
     ddp = state.register(DDP(net))
     opt = adamw(net)
     correction = AdamNoiseCorrection(opt, state) if compressor == "nq" else None
-    exchange = MomentumExchange(opt, state, 3, level, clip=clip)
+    exchange = MomentumExchange(opt, state, freeze_at, level, clip=clip, **kwargs)
     return net, ddp, state, opt, correction, exchange
 
 
@@ -228,6 +263,19 @@ def _gloo_job(rank: int, world_size: int, out: str) -> None:
         part.load_state_dict(s)
     _steps(rank, net, ddp, state, opt, exchange, 8, start=5)
     result["resumed"] = [p.detach().clone() for p in net.parameters()]
+    # the norm test's freeze (at step 4), straight and resumed inside its second window
+    eta = dict(freeze_at=50, freeze_eta=1e9, window=2)
+    for stop in (8, 3):
+        net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP, **eta)
+        _steps(rank, net, ddp, state, opt, exchange, stop)
+        if stop == 3:
+            saved = [s.state_dict() for s in (net, opt, state, correction, exchange)]
+            net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP, **eta)
+            for part, s in zip((net, opt, state, correction, exchange), saved):
+                part.load_state_dict(s)
+            _steps(rank, net, ddp, state, opt, exchange, 8, start=3)
+        result[f"eta{stop}"] = ([p.detach().clone() for p in net.parameters()],
+                                exchange.frozen_at)  # fmt: skip
     # lossless: the momentum after a step is the ranks' mean momentum
     net, ddp, state, opt, _, exchange = _build("dense", ("dense", "dense"), "mixed", None)
     record: dict = {}
@@ -264,6 +312,13 @@ def test_the_momenta_are_counted_in_the_states_ledger_at_the_exchanges_level(glo
         assert sent[step] == sum(wire_bytes(shape, "nq", bits, 2, 4) for shape in shapes)
 
 
+def test_a_run_resumed_before_the_norm_tests_freeze_continues_bitwise(gloo_runs):
+    (straight, at), (resumed, resumed_at) = gloo_runs[0]["eta8"], gloo_runs[0]["eta3"]
+    assert at == resumed_at == 4
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
 def test_at_a_lossless_level_the_momentum_is_the_ranks_mean_momentum(gloo_runs):
     for i, m in enumerate(gloo_runs[0]["momentum"]):
         mean = (gloo_runs[0]["local"][i] + gloo_runs[1]["local"][i]) / 2
@@ -280,12 +335,17 @@ def test_the_momentum_suffix_parses_on_static_strategies_only():
     strategy = parse_strategy("static:nq:2:adam-noise:momentum=22/1")
     assert (strategy.momentum_freeze, strategy.momentum_level) == (22, 1)
     assert parse_strategy("static:nq:2").momentum_freeze is None
+    assert parse_strategy("static:nq:2:momentum=22/1/0.5").momentum_eta == 0.5
+    assert strategy.momentum_eta is None
     for text, match in (("accordion:nq:2,1:momentum=22/1", "needs a static strategy"),
                         ("diloco:10+static:nq:2:momentum=22/1", "without :auto, :adam-noise"),
                         ("batch:32,64+static:nq:2:momentum=22/1", "does not combine with a batch"),
                         ("static:nq:2:momentum=0/1", "is not a suffix"),
                         ("static:nq:2:momentum=100/1", "is not a suffix"),
                         ("static:nq:2:momentum=22", "is not a suffix"),
+                        ("static:nq:2:momentum=22/1/0", "is not a suffix"),
+                        ("static:nq:2:momentum=22/1/x", "is not a suffix"),
+                        ("static:nq:2:momentum=22/1/0.5/2", "is not a suffix"),
                         ("static:nq:2:momentum=22/9", "9")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             parse_strategy(text)
@@ -333,3 +393,19 @@ def test_the_harness_refuses_the_momentum_exchange_without_adamw():
     with pytest.raises(ValueError, match="needs --optimizer adamw, got 'sgd'"):
         _exchange_momentum(config, parse_strategy(text), torch.optim.SGD(net.parameters(), lr=0.1),
                            AccordionState(net, "nq", levels=(2, 2)), 10)  # fmt: skip
+
+
+def test_the_harness_freezes_at_p_percent_and_runs_the_norm_test_over_its_interval():
+    from accordion.harness.build import _exchange_momentum
+    from accordion.harness.strategies import parse_strategy
+    from accordion.harness.train import TrainConfig
+
+    net = make_net()
+    text = "static:nq:2:momentum=22/1/0.5"
+    config = TrainConfig(strategy=text, optimizer="adamw", epochs=2, interval_unit="step",
+                         interval=25)  # fmt: skip
+    exchange = _exchange_momentum(config, parse_strategy(text), adamw(net),
+                                  AccordionState(net, "nq", levels=(2, 2)), 448)  # fmt: skip
+    assert exchange.freeze_at == 197 and exchange.level == 1
+    assert exchange._test is not None
+    assert (exchange._test.eta, exchange._test.window) == (0.5, 25)

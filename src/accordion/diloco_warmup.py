@@ -39,7 +39,7 @@ class WarmupEnd:
         window: warm-up steps per window (an int >= 1).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], eta: float, window: int):
+    def __init__(self, params: Sequence[torch.Tensor], eta: float, window: int):
         self.eta = check_number("warmup_eta", eta, minimum=0.0, strict=True)
         self.window = check_int("warmup_window", window, 1)
         self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -50,7 +50,7 @@ class WarmupEnd:
         #: was above its first step's (``lr_rose``) and whether it was ``calm``.
         self.checks: list[dict[str, Any]] = []
 
-    def add(self, params: Sequence[nn.Parameter]) -> None:
+    def add(self, params: Sequence[torch.Tensor]) -> None:
         """Sum this step's averaged gradients into the window."""
         for total, p in zip(self._sums, params):
             if p.grad is not None:

@@ -24,6 +24,7 @@ On the character transformer (simulated 2 workers, 8 seeds) the momentum at 1 bi
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,7 @@ from ._validate import check_int, check_number
 from .adam_noise import _EXCHANGED, _HOOKED, AdamNoiseCorrection, StepHooks, _check_optimizer
 from .compress import ErrorFeedback, Reducer, compressor_class
 from .controller import Controller
+from .diloco_warmup import WarmupEnd
 from .report import Costs
 
 
@@ -59,18 +61,29 @@ class MomentumExchange(StepHooks):
             freeze its corrected second moment is the one held, and it is removed.
         state: the :class:`~accordion.controller.Controller` (``AccordionState``) that
             averages the gradients; its compressor, at ``level``, sends the momenta.
-        freeze_at: optimizer steps before the freeze, an int >= 1.
+        freeze_at: optimizer steps before the freeze, an int >= 1 (with ``freeze_eta``,
+            the most).
         level: the level of ``state``'s compressor after the freeze (e.g. 1 for ``nq``).
         clip: the largest gradient norm after the freeze (the RMS of the ranks' norms),
             or ``None`` for no clipping.
+        freeze_eta: with a number > 0, Accordion's norm test may freeze sooner: at the end
+            of the first window of ``window`` steps whose averaged gradient's norm changed
+            by less than ``freeze_eta`` (relative) from the window before, and whose
+            learning rate did not rise (:class:`~accordion.diloco_warmup.WarmupEnd`, as
+            it ends DiLoCo's warm-up). ``None`` (default): the freeze at ``freeze_at``.
+        window: the norm test's steps per window, an int >= 1 (default 25).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: Controller, freeze_at: int,
-                 level: Any, clip: float | None = None):  # fmt: skip
+                 level: Any, clip: float | None = None, freeze_eta: float | None = None,
+                 window: int = 25):  # fmt: skip
         _check_optimizer(optimizer)
         _check_state(state)
         freeze_at = check_int("freeze_at", freeze_at, 1)
         clip = None if clip is None else check_number("clip", clip, minimum=0, strict=True)
+        window = check_int("window", window, 1)
+        if freeze_eta is not None:
+            freeze_eta = check_number("freeze_eta", freeze_eta, minimum=0, strict=True)
         cls = compressor_class(state.compressor_name)
         try:
             level = cls.check_level(level)
@@ -89,8 +102,11 @@ class MomentumExchange(StepHooks):
         self._correction: AdamNoiseCorrection | None = getattr(optimizer, _HOOKED, None)
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
         self._reduced = False
+        self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
         #: Optimizer steps taken since this exchange was created (or as loaded).
         self.steps: int = 0
+        #: The step count at which the freeze came, ``None`` before it.
+        self.frozen_at: int | None = None
         #: Steps after the freeze on which the clip bound.
         self.clipped_steps: int = 0
         self._hook(_EXCHANGED)
@@ -98,7 +114,7 @@ class MomentumExchange(StepHooks):
     @property
     def active(self) -> bool:
         """Whether the freeze has come: the momenta, not the gradients, are exchanged."""
-        return self.steps >= self.freeze_at
+        return self.frozen_at is not None
 
     def _with_grads(self) -> list[tuple[torch.Tensor, dict]]:
         """``(parameter, group)`` of every parameter with a gradient, in the optimizer's order."""
@@ -156,6 +172,8 @@ class MomentumExchange(StepHooks):
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.active:
+            if self._test is not None:  # the averaged (and clipped) gradient Adam will take
+                self._test.add(self._params())
             return
         if not self._reduced:
             raise RuntimeError("a step after the freeze needs MomentumExchange.reduce() after "
@@ -173,7 +191,11 @@ class MomentumExchange(StepHooks):
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        if self.steps == self.freeze_at:
+        if self.active:
+            return
+        test, lr = self._test, optimizer.param_groups[0]["lr"]
+        calm = test is not None and test.calm_after(self.steps, self.state.transport(), lr)
+        if calm or self.steps >= self.freeze_at:
             self._freeze()
 
     def _freeze(self) -> None:
@@ -191,13 +213,16 @@ class MomentumExchange(StepHooks):
                 self._frozen[p] = used / (1 - beta2 ** _steps(state))
         if correction is not None:
             correction.remove()
+        self.frozen_at = self.steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The steps, the held second moments in the optimizer's parameter order (``None``
-        where a parameter has none), the momenta's reducer and the clip count."""
-        return {"steps": self.steps, "frozen": [self._frozen.get(p) for p in self._params()],
-                "reducer": self.reducer.state_dict(),
-                "clipped_steps": self.clipped_steps}  # fmt: skip
+        """The steps, the step of the freeze, the held second moments in the optimizer's
+        parameter order (``None`` where a parameter has none), the momenta's reducer, the
+        clip count and the norm test's windows (``None`` without one)."""
+        return {"steps": self.steps, "frozen_at": self.frozen_at,
+                "frozen": [self._frozen.get(p) for p in self._params()],
+                "reducer": self.reducer.state_dict(), "clipped_steps": self.clipped_steps,
+                "test": None if self._test is None else self._test.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same optimizer's parameters (after the
@@ -205,12 +230,21 @@ class MomentumExchange(StepHooks):
         and changes nothing. A restored freeze removes the correction again."""
         if not isinstance(state, Mapping):
             raise ValueError(f"state must be a MomentumExchange.state_dict(), got {state!r:.80}")
-        steps = state.get("steps")
+        steps, frozen_at = state.get("steps"), state.get("frozen_at")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if frozen_at is not None and (isinstance(frozen_at, bool) or not isinstance(
+                frozen_at, int) or not 1 <= frozen_at <= steps):  # fmt: skip
+            raise ValueError(f"frozen_at must be None or an int in [1, steps={steps}], "
+                             f"got {frozen_at!r}")  # fmt: skip
         frozen = self._per_param("frozen", state.get("frozen"))
+        if (self._test is None) != (state.get("test") is None):
+            raise ValueError("test must be a norm test's state exactly when freeze_eta is given")
+        test = copy.deepcopy(self._test)  # loaded beside, kept only if all of it loads
+        if test is not None:
+            test.load_state_dict(state["test"])
         self.reducer.load_state_dict(state.get("reducer", {}))
-        self.steps = steps
+        self.steps, self.frozen_at, self._test = steps, frozen_at, test
         self._frozen = frozen
         self.clipped_steps = int(state.get("clipped_steps", 0))
         if self.active and self._correction is not None:

@@ -98,8 +98,9 @@ def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
 def _exchange_momentum(config: TrainConfig, strategy: Strategy,
                        optimizer: torch.optim.Optimizer, state: Controller | None,
                        steps_per_epoch: int) -> MomentumExchange:  # fmt: skip
-    """The ``momentum=P/LEVEL`` suffix: AdamW's momentum exchanged from P% of the run's
-    optimizer steps on (at least one step in)."""
+    """The ``momentum=P/LEVEL[/ETA]`` suffix: AdamW's momentum exchanged from P% of the
+    run's optimizer steps on (at least one step in), or sooner when the norm test at ETA,
+    over the run's check interval, finds the gradient calm."""
     if config.optimizer != "adamw" or state is None:
         raise ValueError(f"strategy {config.strategy!r}: momentum=P/LEVEL exchanges AdamW's "
                          f"momentum: it needs --optimizer adamw, got "
@@ -107,7 +108,8 @@ def _exchange_momentum(config: TrainConfig, strategy: Strategy,
     total = config.epochs * steps_per_epoch
     freeze_at = max(1, round(total * strategy.momentum_freeze / 100))  # type: ignore[operator]
     return MomentumExchange(optimizer, state, freeze_at, strategy.momentum_level,
-                            clip=config.clip)  # fmt: skip
+                            clip=config.clip, freeze_eta=strategy.momentum_eta,
+                            window=_warmup_window(config))  # fmt: skip
 
 
 def make_outer_optimizer(strategy: Strategy):

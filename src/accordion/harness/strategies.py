@@ -21,7 +21,8 @@ An ``:adam-noise`` suffix on a static or Accordion strategy (``static:nq:2:adam-
 averages (:class:`accordion.AdamNoiseCorrection`). A ``:momentum=P/LEVEL`` suffix on a
 static strategy (``static:nq:2:adam-noise:momentum=22/1``) exchanges AdamW's momentum at
 ``LEVEL`` instead of the gradient from P% of the run's steps on, its second moment frozen
-(:class:`accordion.MomentumExchange`).
+(:class:`accordion.MomentumExchange`); ``momentum=P/LEVEL/ETA`` lets Accordion's norm test
+(threshold ETA, over the run's check interval) freeze sooner.
 
 A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:auto``)
 turns the cost model on: before training the hook measures the link and the cost of
@@ -100,7 +101,7 @@ FORMATS = (
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
     "<static or accordion strategy>:adam-noise",
-    "static:COMPRESSOR:LEVEL[:adam-noise]:momentum=P/LEVEL",
+    "static:COMPRESSOR:LEVEL[:adam-noise]:momentum=P/LEVEL[/ETA]",
     "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay][:open]",
     "torch-powersgd:R",
     "torch-fp16",
@@ -167,6 +168,7 @@ class Strategy:
     adam_noise: bool = False  # AdamW's second moment corrected for compression noise
     momentum_freeze: int | None = None  # AdamW's momentum exchanged from P% of the run on
     momentum_level: Any = None  # the compressor's level for the momenta then
+    momentum_eta: float | None = None  # the norm test that may freeze sooner (None: at P%)
     sync_growth: float = 0.0  # DiLoCo's rounds scale by (peak lr / lr) ** this (0: fixed H)
     min_sync_every: int | None = None  # the shortest round then (None: the schedule's default)
     max_sync_every: int | None = None  # the longest (None: the schedule's default)
@@ -434,8 +436,9 @@ def _parse_communication(text: str, whole: str) -> Strategy:
                 f"strategy {text!r}: a rule, interval, block or open needs an accordion strategy"
             )
         if "momentum_freeze" in options:
-            options["momentum_freeze"], level = options["momentum_freeze"]
-            options["momentum_level"] = _level(cls, level, text)
+            freeze, level, eta = options["momentum_freeze"]
+            options.update(momentum_freeze=freeze, momentum_level=_level(cls, level, text),
+                           momentum_eta=eta)  # fmt: skip
         return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
     if "momentum_freeze" in options:
         raise ValueError(f"strategy {text!r}: momentum=P/LEVEL needs a static strategy")
@@ -463,11 +466,26 @@ def _is_budget(value: str) -> bool:
     return True
 
 
-def _is_freeze(value: str) -> bool:
-    """Whether ``value`` is ``P/LEVEL`` with P an int percent in [1, 99] (the level is the
-    compressor's to check)."""
-    percent, slash, level = value.partition("/")
-    return bool(slash and level) and percent.isdigit() and 1 <= int(percent) <= 99
+def _freeze(value: str) -> tuple[int, str, float | None] | None:
+    """``P/LEVEL[/ETA]`` as ``(P, LEVEL, ETA or None)``, P an int percent in [1, 99] and
+    ETA a finite number > 0 (the level is the compressor's to check); else ``None``."""
+    parts = value.split("/")
+    if len(parts) not in (2, 3):
+        return None
+    percent, level = parts[:2]
+    eta = _positive(parts[2]) if len(parts) == 3 else None
+    if not percent.isdigit() or not 1 <= int(percent) <= 99 or not level:
+        return None
+    return None if len(parts) == 3 and eta is None else (int(percent), level, eta)
+
+
+def _positive(text: str) -> float | None:
+    """``text`` as a finite float > 0, else ``None``."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
@@ -494,14 +512,14 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "tau", float(value)
         elif name == "ref" and value.isdigit():
             key, parsed = "reference", int(value)
-        elif name == "momentum" and _is_freeze(value):
-            key, parsed = "momentum_freeze", (int(value.partition("/")[0]), value.partition("/")[2])
+        elif name == "momentum" and _freeze(value) is not None:
+            key, parsed = "momentum_freeze", _freeze(value)
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
                 "block=decay, open, tau=X (0 < X <= 1), ref=N (N >= 0, a rung) or "
-                "momentum=P/LEVEL (1 <= P <= 99, percent of the run's steps)"
+                "momentum=P/LEVEL[/ETA] (1 <= P <= 99, percent of the run's steps; ETA > 0)"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
