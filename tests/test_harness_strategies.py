@@ -507,7 +507,7 @@ def test_a_streamed_diloco_schedule_that_cannot_run_is_a_value_error_naming_it(t
     [("diloco:0", "H, the inner steps per sync, an int >= 1; got '0'"),
      ("diloco:x+static:int:4", "an int >= 1; got 'x'"),
      ("diloco:5+torch-fp16", "combines with dense, a static or an accordion strategy"),
-     ("diloco:5+static:int:4:auto", "(without :auto or :adam-noise)")],
+     ("diloco:5+static:int:4:auto", "(without :auto, :adam-noise or :momentum)")],
 )  # fmt: skip
 def test_a_malformed_diloco_strategy_is_a_value_error_naming_it(text, match):
     with pytest.raises(ValueError, match=re.escape(match)):
