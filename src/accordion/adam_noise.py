@@ -38,6 +38,13 @@ _HOOKED = "_accordion_noise_correction"
 _EXCHANGED = "_accordion_momentum_exchange"
 
 
+def _check_state(state: Any) -> None:
+    """``state`` must be a :class:`~accordion.controller.Controller`."""
+    if not isinstance(state, Controller):
+        raise TypeError(f"state must be an accordion Controller (AccordionState), "
+                        f"got {type(state).__name__}")  # fmt: skip
+
+
 def _check_optimizer(optimizer: Any) -> None:
     """``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` whose update this
     correction models: no AMSGrad, no maximize, no L2 decay added to the gradient."""
@@ -139,9 +146,7 @@ class AdamNoiseCorrection(StepHooks):
     def __init__(self, optimizer: torch.optim.Optimizer, state: Controller,
                  floor: float = DEFAULT_FLOOR):  # fmt: skip
         _check_optimizer(optimizer)
-        if not isinstance(state, Controller):
-            raise TypeError(f"state must be an accordion Controller (AccordionState), "
-                            f"got {type(state).__name__}")  # fmt: skip
+        _check_state(state)
         if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0 < floor <= 1:
             raise ValueError(f"floor must be a number in (0, 1], got {floor!r}")
         if getattr(optimizer, _HOOKED, None) is not None:  # two would subtract the noise twice

@@ -34,17 +34,18 @@ from typing import Any
 import torch
 
 from ._validate import check_int, check_number
-from .adam_noise import _EXCHANGED, _HOOKED, AdamNoiseCorrection, StepHooks, _check_optimizer
+from .adam_noise import (
+    _EXCHANGED,
+    _HOOKED,
+    AdamNoiseCorrection,
+    StepHooks,
+    _check_optimizer,
+    _check_state,
+)
 from .compress import ErrorFeedback, Reducer, compressor_class
 from .controller import Controller
 from .diloco_warmup import WarmupEnd
 from .report import Costs
-
-
-def _check_state(state: Any) -> None:
-    if not isinstance(state, Controller):
-        raise TypeError(f"state must be an accordion Controller (AccordionState), "
-                        f"got {type(state).__name__}")  # fmt: skip
 
 
 class MomentumExchange(StepHooks):

@@ -88,11 +88,16 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
 def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
                   state: Controller | None) -> AdamNoiseCorrection:  # fmt: skip
     """Hook Adam's noise correction (the ``adam-noise`` suffix) onto ``optimizer``."""
-    if config.optimizer != "adamw" or state is None:
-        raise ValueError(f"strategy {config.strategy!r}: adam-noise corrects AdamW's second "
-                         f"moment: it needs --optimizer adamw, got "
-                         f"{config.optimizer!r}")  # fmt: skip
+    _check_adamw(config, state, "adam-noise corrects AdamW's second moment")
+    assert state is not None  # checked
     return AdamNoiseCorrection(optimizer, state)
+
+
+def _check_adamw(config: TrainConfig, state: Controller | None, what: str) -> None:
+    """A suffix that hooks AdamW (``what`` it does) needs ``--optimizer adamw`` and a state."""
+    if config.optimizer != "adamw" or state is None:
+        raise ValueError(f"strategy {config.strategy!r}: {what}: it needs --optimizer adamw, "
+                         f"got {config.optimizer!r}")  # fmt: skip
 
 
 def _exchange_momentum(config: TrainConfig, strategy: Strategy,
@@ -101,10 +106,8 @@ def _exchange_momentum(config: TrainConfig, strategy: Strategy,
     """The ``momentum=P/LEVEL[/ETA]`` suffix: AdamW's momentum exchanged from P% of the
     run's optimizer steps on (at least one step in), or sooner when the norm test at ETA,
     over the run's check interval, finds the gradient calm."""
-    if config.optimizer != "adamw" or state is None:
-        raise ValueError(f"strategy {config.strategy!r}: momentum=P/LEVEL exchanges AdamW's "
-                         f"momentum: it needs --optimizer adamw, got "
-                         f"{config.optimizer!r}")  # fmt: skip
+    _check_adamw(config, state, "momentum=P/LEVEL exchanges AdamW's momentum")
+    assert state is not None  # checked
     total = config.epochs * steps_per_epoch
     freeze_at = max(1, round(total * strategy.momentum_freeze / 100))  # type: ignore[operator]
     return MomentumExchange(optimizer, state, freeze_at, strategy.momentum_level,
