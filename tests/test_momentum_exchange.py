@@ -116,6 +116,34 @@ def test_after_the_freeze_the_second_moment_stays_held_and_the_correction_is_rem
             torch.testing.assert_close(opt.state[p]["exp_avg_sq"], held[p] * bias)
 
 
+def test_rows_never_looked_up_before_the_freeze_keep_a_zero_momentum_also_after_a_load():
+    def lookups(exchange, opt, net, state, steps, rows):
+        for _ in range(steps):
+            opt.zero_grad()
+            net(torch.tensor(rows)).square().sum().backward()
+            exchange.reduce() if exchange.active else state.reduce_gradients()
+            opt.step()
+
+    def embedding():
+        torch.manual_seed(0)
+        net = nn.Embedding(6, 4)
+        state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
+        opt = adamw(net)
+        return net, state, opt, MomentumExchange(opt, state, 3, 1)
+
+    net, state, opt, exchange = embedding()
+    lookups(exchange, opt, net, state, 3, [0, 1, 2])  # rows 3-5 unseen at the freeze
+    lookups(exchange, opt, net, state, 2, [0, 1, 2, 3, 4, 5])
+    m = opt.state[net.weight]["exp_avg"]
+    assert m[3:].eq(0).all() and m[:3].ne(0).any()
+    again, state2, opt2, resumed = embedding()
+    again.load_state_dict(net.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    resumed.load_state_dict(exchange.state_dict())
+    lookups(resumed, opt2, again, state2, 2, [0, 1, 2, 3, 4, 5])
+    assert opt2.state[again.weight]["exp_avg"][3:].eq(0).all()
+
+
 def one_worker_run(steps: int, freeze_at: int, lr=lambda step: LR, **kwargs) -> MomentumExchange:
     """One worker at 2 bits, then the momentum at 1 bit; ``kwargs`` go to the exchange."""
     net = make_net()

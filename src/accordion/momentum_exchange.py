@@ -104,6 +104,7 @@ class MomentumExchange(StepHooks):
         self._costs = Costs()
         self._correction: AdamNoiseCorrection | None = getattr(optimizer, _HOOKED, None)
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
+        self._unseen: dict[torch.Tensor, torch.Tensor] = {}  # where a held moment is zero
         self._reduced = False
         self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
         #: Optimizer steps taken since this exchange was created (or as loaded).
@@ -155,9 +156,9 @@ class MomentumExchange(StepHooks):
             transport.run(self.reducer.exchange(keys, grads, world))
             for (p, _), grad, offset in zip(params, grads, offsets):
                 grad.sub_(offset.to(grad.dtype))
-                held = self._frozen.get(p)
-                if held is not None:  # never a gradient before: Adam would not move it
-                    grad.masked_fill_(held == 0, 0.0)
+                unseen = self._unseen.get(p)
+                if unseen is not None:  # never a gradient before: Adam would not move it
+                    grad.masked_fill_(unseen, 0.0)
         self.state.decider.observed = True  # the state's gradients went through this exchange
         if self.state.interval_unit == "epoch":  # the state's own exchange would count it
             self.state.step += 1
@@ -216,6 +217,7 @@ class MomentumExchange(StepHooks):
                 self._frozen[p] = used / (1 - beta2 ** _steps(state))
         if correction is not None:
             correction.remove()
+        self._unseen = _zeros(self._frozen)
         self.frozen_at = self.steps
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,10 +250,17 @@ class MomentumExchange(StepHooks):
             test.load_state_dict(state["test"])
         self.reducer.load_state_dict(state.get("reducer", {}))
         self.steps, self.frozen_at, self._test = steps, frozen_at, test
-        self._frozen = frozen
+        self._frozen, self._unseen = frozen, _zeros(frozen)
         self.clipped_steps = int(state.get("clipped_steps", 0))
         if self.active and self._correction is not None:
             self._correction.remove()
+
+
+def _zeros(frozen: Mapping[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """Per parameter whose held second moment has a zero, where it is zero (once, at the
+    freeze or the load, rather than at every step)."""
+    masks = {p: held == 0 for p, held in frozen.items()}
+    return {p: mask for p, mask in masks.items() if bool(mask.any())}
 
 
 def _steps(state: Mapping[str, Any]) -> int:
