@@ -52,3 +52,18 @@ def test_the_update_error_is_the_root_of_the_summed_squared_errors_over_the_summ
     assert sums == [9.0 + 9.0, 16.0]
     assert probe.noise_probe.relative(sums) == pytest.approx((18 / 16) ** 0.5)
     assert probe.noise_probe.relative([0.0, 0.0]) is None
+
+
+def test_before_the_freeze_the_clipped_average_is_folded_into_adams_two_moments():
+    grads = _two_workers(2)
+    m, v, s = ([torch.zeros_like(g) for g in grads[0]] for _ in range(3))
+    reducers = [Reducer(make_compressor("dense"), ErrorFeedback()) for _ in range(2)]
+    probe.first_moment(m, v, s, grads, reducers)
+    mean = [(a + b) / 2 for a, b in zip(*grads)]
+    coef = probe.noise_probe.clip_factor(mean)
+    assert coef < 1  # so that the clip shows
+    b1, b2 = probe.probe.BETAS
+    for mi, vi, si, avg in zip(m, v, s, mean):
+        torch.testing.assert_close(mi, (1 - b1) * coef * avg)
+        torch.testing.assert_close(vi, (1 - b2) * (coef * avg) ** 2)
+        assert si.eq(0).all()  # a lossless exchange predicts no noise

@@ -89,10 +89,8 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
             for i, p in enumerate(params):
                 g = sent[i] * coef
                 second = (true[i] * tcoef) ** 2 if mode == "oracle" else g * g
-                m[i].mul_(b1).add_(g, alpha=1 - b1)
-                if freeze_at is None or step < freeze_at:
-                    v[i].mul_(b2).add_(second, alpha=1 - b2)
-                    s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
+                frozen = freeze_at is not None and step >= freeze_at
+                fold(m[i], None if frozen else (v[i], s[i]), g, second, noise[i], coef)
                 used = torch.maximum(v[i] - s[i], FLOOR * v[i]) if mode == "corrected" else v[i]
                 t = step + 1
                 tv = t if freeze_at is None else min(t, freeze_at)  # v's own step count
@@ -102,6 +100,18 @@ def train(mode: str, seed: int, data, before_exchange=None, freeze_at=None) -> d
     ratio = measured / predicted if predicted else None
     row = {"val_loss": loss, "accuracy": accuracy, "noise_measured_over_predicted": ratio}
     return row if freeze_at is None else {**row, "update_error_after_freeze": relative(after)}
+
+
+def fold(m, second_moments, g, second, noise, coef) -> None:
+    """One tensor's Adam moments: ``g`` into ``m``; unless ``second_moments`` is ``None``
+    (``v`` frozen), ``second`` into its ``v`` and the predicted ``noise`` (scaled by the
+    clip ``coef`` squared) into its ``s``."""
+    b1, b2 = probe.BETAS
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    if second_moments is not None:
+        v, s = second_moments
+        v.mul_(b2).add_(second, alpha=1 - b2)
+        s.mul_(b2).add_(noise, alpha=(1 - b2) * coef**2)
 
 
 def sample_order(seed: int, n: int) -> torch.Tensor:

@@ -122,14 +122,11 @@ def clip_after_freeze(mode: str, grads) -> float:
 def first_moment(m, v, s, grads, reducers) -> None:
     """``adam_noise_probe``'s ``corrected`` step before the freeze: the 2-bit average folded
     into ``m`` and ``v``, and its predicted noise into ``s``."""
-    b1, b2 = probe.BETAS
     sent, noise = noise_probe.averaged(reducers, grads)
     coef = noise_probe.clip_factor(sent)
     for i, g in enumerate(sent):
         g = g * coef
-        m[i].mul_(b1).add_(g, alpha=1 - b1)
-        v[i].mul_(b2).add_(g * g, alpha=1 - b2)
-        s[i].mul_(b2).add_(noise[i], alpha=(1 - b2) * coef**2)
+        noise_probe.fold(m[i], (v[i], s[i]), g, g * g, noise[i], coef)
 
 
 def use_small() -> None:
