@@ -122,6 +122,16 @@ def test_the_manual_loop_example_averages_without_ddp_and_sends_less_than_dense(
     check_walked(used, ("2", "1"))
 
 
+def test_the_adamw_example_sends_the_momenta_at_1_bit_after_its_freeze(tmp_path):
+    out = run_example(torchrun("adamw_momentum.py"), tmp_path)
+    sent, dense = traffic(out)
+    assert levels(out, "window", ("2",)) == [["2"]] * 4  # the gradients' level
+    assert "momentum: 1 bit from step 8 of 24" in out
+    # 2-bit nq (an fp16 scale per 64 values) sends at most 14.22x less than fp32: the rest
+    # is the 16 steps of 1-bit momenta (8 steps at 2 bits and 16 at 1 bit: 20.2x)
+    assert dense / sent > 14.3
+
+
 def test_the_lightning_example_registers_the_hook_from_its_callback_and_compresses(tmp_path):
     pytest.importorskip("lightning.pytorch")
     out = run_example(torchrun("lightning_callback.py"), tmp_path)
