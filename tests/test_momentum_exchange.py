@@ -408,6 +408,10 @@ def test_a_harness_run_exchanges_the_momentum_from_its_freeze_on_and_resumes(tmp
     assert resumed["epochs"][0] == first["epochs"][0]
     assert sent[2][1] - sent[2][0] == one_bit  # past the freeze on resume: 1 bit at once
     assert math.isfinite(resumed["epochs"][1]["val_loss"])
+    assert static["momentum"] is None  # the record names the freeze's step: 50% of 8
+    assert exchanged["momentum"]["frozen_at"] == 4 and exchanged["momentum"]["steps"] == 8
+    assert 0 <= exchanged["momentum"]["clipped_steps"] <= 4  # of the 4 steps after it
+    assert resumed["momentum"]["frozen_at"] == 2  # the 1-epoch run's, from its checkpoint
 
 
 def test_the_harness_refuses_the_momentum_exchange_without_adamw():

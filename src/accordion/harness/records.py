@@ -33,6 +33,8 @@ class RunResult:
     calibration: dict[str, Any] | None = None
     #: A DiLoCo run's rounds, warm-up steps and warm-up norm test (``None`` otherwise).
     diloco: dict[str, Any] | None = None
+    #: A ``momentum=`` run's freeze step, steps and clipped steps (``None`` otherwise).
+    momentum: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (the ``runs`` entries of ``results.json``)."""

@@ -26,7 +26,7 @@ from ..checkpoint import Checkpointer
 from .baselines import TORCH_POWERSGD_MIN_COMPRESSION_RATE, TORCH_POWERSGD_START_ITER
 from .build import set_up
 from .config import LR_SCALINGS, PRESETS, SCHEDULES, TrainConfig
-from .loop import run_epoch
+from .loop import Run, run_epoch
 from .records import RunResult, progress_bar
 from .resume import resume, save
 
@@ -80,6 +80,13 @@ def train_run(
             )  # fmt: skip
     if bar is not None:
         bar.close()
+    _add_decisions(result, run)
+    run.logger.close(result.checks, result.calibration)
+    return result
+
+
+def _add_decisions(result: RunResult, run: Run) -> None:
+    """What the run's state, batch controller, DiLoCo and momentum exchange decided."""
     state = run.state
     result.checks = state.stats()["checks"] if state is not None else []
     result.calibration = state.calibration if state is not None else None
@@ -91,8 +98,10 @@ def train_run(
         result.diloco = {k: stats[k] for k in keys if k in stats}  # fragment_syncs: streaming
         if stats.get("round_lengths"):  # rounds that grow
             result.diloco["round_lengths"] = stats["round_lengths"]
-    run.logger.close(result.checks, result.calibration)
-    return result
+    if run.momentum is not None:
+        exchange = run.momentum
+        result.momentum = {"frozen_at": exchange.frozen_at, "steps": exchange.steps,
+                           "clipped_steps": exchange.clipped_steps}  # fmt: skip
 
 
 def run_many(
