@@ -88,16 +88,17 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
 def _correct_adam(config: TrainConfig, optimizer: torch.optim.Optimizer,
                   state: Controller | None) -> AdamNoiseCorrection:  # fmt: skip
     """Hook Adam's noise correction (the ``adam-noise`` suffix) onto ``optimizer``."""
-    _check_adamw(config, state, "adam-noise corrects AdamW's second moment")
-    assert state is not None  # checked
+    state = _check_adamw(config, state, "adam-noise corrects AdamW's second moment")
     return AdamNoiseCorrection(optimizer, state)
 
 
-def _check_adamw(config: TrainConfig, state: Controller | None, what: str) -> None:
-    """A suffix that hooks AdamW (``what`` it does) needs ``--optimizer adamw`` and a state."""
+def _check_adamw(config: TrainConfig, state: Controller | None, what: str) -> Controller:
+    """A suffix that hooks AdamW (``what`` it does) needs ``--optimizer adamw`` and a
+    state: that state, else a ``ValueError``."""
     if config.optimizer != "adamw" or state is None:
         raise ValueError(f"strategy {config.strategy!r}: {what}: it needs --optimizer adamw, "
                          f"got {config.optimizer!r}")  # fmt: skip
+    return state
 
 
 def _exchange_momentum(config: TrainConfig, strategy: Strategy,
@@ -106,8 +107,7 @@ def _exchange_momentum(config: TrainConfig, strategy: Strategy,
     """The ``momentum=P/LEVEL[/ETA]`` suffix: AdamW's momentum exchanged from P% of the
     run's optimizer steps on (at least one step in), or sooner when the norm test at ETA,
     over the run's check interval, finds the gradient calm."""
-    _check_adamw(config, state, "momentum=P/LEVEL exchanges AdamW's momentum")
-    assert state is not None  # checked
+    state = _check_adamw(config, state, "momentum=P/LEVEL exchanges AdamW's momentum")
     total = config.epochs * steps_per_epoch
     freeze_at = max(1, round(total * strategy.momentum_freeze / 100))  # type: ignore[operator]
     return MomentumExchange(optimizer, state, freeze_at, strategy.momentum_level,
