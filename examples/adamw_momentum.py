@@ -9,8 +9,9 @@ uncompressed training at 21.8x fewer bytes than dense. Three pieces:
   Adam's second moment, without which 2 bits lose quality under AdamW;
 - ``MomentumExchange(optimizer, state, freeze_at, level=1)``: from ``freeze_at`` steps on
   (22% of the run in the measured runs) Adam's second moment is held and the ranks
-  average their momenta at 1 bit instead of their gradients (1-bit Adam's exchange). The
-  loop then runs ``backward()`` under ``no_sync()`` and calls ``exchange.reduce()``.
+  average their momenta at 1 bit instead of their gradients (1-bit Adam's exchange),
+  through the same DDP hook. The loop's one change: it stops clipping at the freeze (the
+  exchange clips, over the ranks, before it sends).
 
 The model is a bigram character model (an embedding and an MLP) on a synthetic text.
 Rank 0 prints the state's level each window of 6 steps used, the step of the freeze, and
@@ -61,14 +62,9 @@ def main() -> None:
             used.append(state.levels())  # the gradients' level in this window
         x, y = batch(rank, step)
         optimizer.zero_grad()
-        if exchange.active:  # past the freeze: each rank's own gradient, then the momenta
-            with ddp.no_sync():
-                loss = nn.functional.cross_entropy(ddp(x), y)
-                loss.backward()
-            exchange.reduce()  # clips, then averages the momenta at 1 bit
-        else:
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()  # the hook averages the gradients at 2 bits
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()  # the hook: the gradients at 2 bits; past the freeze, the momenta at 1
+        if not exchange.active:  # past the freeze the exchange clips before it sends
             nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
         optimizer.step()
         state.end_step(optimizer)

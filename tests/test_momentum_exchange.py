@@ -173,7 +173,7 @@ def test_a_window_whose_learning_rate_rose_is_never_calm():
     assert rising.frozen_at == 10
 
 
-def test_a_step_after_the_freeze_without_reduce_raises():
+def test_a_step_after_the_freeze_without_the_momenta_exchanged_raises():
     net = make_net()
     state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
     opt = adamw(net)
@@ -184,7 +184,7 @@ def test_a_step_after_the_freeze_without_reduce_raises():
     opt.step()
     opt.zero_grad()
     backward(net, 1)
-    with pytest.raises(RuntimeError, match="needs MomentumExchange.reduce\\(\\)"):
+    with pytest.raises(RuntimeError, match="needs the momenta exchanged: by the state's DDP hook"):
         opt.step()
 
 
@@ -222,6 +222,18 @@ def test_it_refuses_sgd_a_second_exchange_and_a_correction_created_after_it():
         AdamNoiseCorrection(opt, state)
 
 
+def test_one_state_takes_one_exchange_until_it_is_removed():
+    net = make_net()
+    state = AccordionState(net, "nq", levels=(2, 2))
+    exchange = MomentumExchange(adamw(net), state, 2, 1)
+    assert state.momentum_exchange is exchange  # its hook hands the buckets on past the freeze
+    with pytest.raises(ValueError, match="state has a MomentumExchange already"):
+        MomentumExchange(adamw(net), state, 2, 1)
+    exchange.remove()
+    assert state.momentum_exchange is None
+    assert MomentumExchange(adamw(net), state, 2, 1).state is state
+
+
 def test_a_bad_state_dict_raises_and_changes_nothing():
     net = make_net()
     exchange = MomentumExchange(adamw(net), AccordionState(net, "nq", levels=(2, 2)), 2, 1)
@@ -242,12 +254,17 @@ def test_a_bad_state_dict_raises_and_changes_nothing():
 # --- gloo ranks -------------------------------------------------------------------------------
 
 
-def _steps(rank, net, ddp, state, opt, exchange, steps, start=0, record=None) -> None:
-    """Steps ``start`` to ``steps``: DDP's averages before the freeze, the exchange after."""
+def _steps(rank, net, ddp, state, opt, exchange, steps, start=0, record=None,
+           hooked=False) -> None:  # fmt: skip
+    """Steps ``start`` to ``steps``: DDP's averages before the freeze, the exchange after
+    (by ``reduce()`` under ``no_sync()``, or ``hooked``: by the DDP hook, the loop as before
+    the freeze but without the clip)."""
     for step in range(start, steps):
         opt.zero_grad()
         before = state.ledger.total_bytes
-        if exchange.active:
+        if exchange.active and hooked:
+            backward(ddp, step, rank)
+        elif exchange.active:
             with ddp.no_sync():
                 backward(ddp, step, rank)
             if record is not None and step == steps - 1:  # the rank's own momentum, c = 1
@@ -282,6 +299,12 @@ def _gloo_job(rank: int, world_size: int, out: str) -> None:
     result["straight"] = [p.detach().clone() for p in net.parameters()]
     result["sent"] = sent["sent"]
     result["clipped"] = exchange.clipped_steps
+    net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP)
+    sent = {}
+    _steps(rank, net, ddp, state, opt, exchange, 8, record=sent, hooked=True)
+    result["hooked"] = [p.detach().clone() for p in net.parameters()]
+    result["hooked_sent"], result["hooked_clipped"] = sent["sent"], exchange.clipped_steps
+    result["misuse"] = _misuse(rank, net, ddp, state, opt, exchange)
     # resumed: 5 steps, the state saved, new objects loaded, 3 more steps
     net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP)
     _steps(rank, net, ddp, state, opt, exchange, 5)
@@ -314,6 +337,25 @@ def _gloo_job(rank: int, world_size: int, out: str) -> None:
     assert dist.get_world_size() == world_size
 
 
+def _misuse(rank, net, ddp, state, opt, exchange) -> list[str]:
+    """The errors of a loop that clips after the hook's exchange, and of ``reduce()``
+    called after it (the hook has exchanged already)."""
+    errors = []
+    for misuse in ("clip", "reduce"):
+        opt.zero_grad()
+        backward(ddp, 9, rank)
+        try:
+            if misuse == "clip":
+                nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)  # binds: the norms are larger
+            else:
+                exchange.reduce()
+            opt.step()
+        except RuntimeError as error:
+            errors.append(str(error))
+        exchange._reduced = False  # the refused step's flag, so the next misuse is its own
+    return errors
+
+
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("momentum")
@@ -325,6 +367,23 @@ def test_gloo_ranks_stay_bitwise_identical_through_the_freeze(gloo_runs):
     for a, b in zip(gloo_runs[0]["straight"], gloo_runs[1]["straight"]):
         assert torch.equal(a, b)
     assert gloo_runs[0]["clipped"] == gloo_runs[1]["clipped"]
+
+
+def test_past_the_freeze_the_ddp_hook_exchanges_the_momenta_as_reduce_does(gloo_runs):
+    for rank in (0, 1):
+        run = gloo_runs[rank]
+        for a, b in zip(run["straight"], run["hooked"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert run["hooked_sent"] == run["sent"]  # 1-bit momenta from step 3, not 2-bit grads
+        assert run["hooked_clipped"] == run["clipped"] > 0  # the hook clipped, over the model
+    for a, b in zip(gloo_runs[0]["hooked"], gloo_runs[1]["hooked"]):
+        assert torch.equal(a, b)
+
+
+def test_a_loop_that_clips_after_the_hooks_exchange_or_reduces_again_is_refused(gloo_runs):
+    clipped, reduced = gloo_runs[0]["misuse"]
+    assert "must not clip or scale them" in clipped and "clip=0.5" in clipped
+    assert "exchanged already" in reduced
 
 
 def test_a_resumed_run_continues_bitwise(gloo_runs):

@@ -31,6 +31,8 @@ names them after the module's parameters.
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook checks the
 # hook's annotations at run time, and strings do not compare equal to the types.
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,6 +40,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .compress import compressor_class, compressor_names
 from .controller import Controller
+
+if TYPE_CHECKING:
+    from .momentum_exchange import MomentumExchange
 
 
 def _default_levels() -> dict[str, tuple]:
@@ -52,6 +57,10 @@ class AccordionState(Controller):
     """Everything the Accordion hook keeps between steps, per parameter: the controller
     (see :class:`accordion.controller.Controller` for the arguments) plus the DDP hook's
     work for one bucket, one :meth:`~accordion.controller.Controller.reduce` call."""
+
+    #: The :class:`~accordion.MomentumExchange` built on this state, or ``None``: past its
+    #: freeze the hook hands it the buckets, to average the momenta instead.
+    momentum_exchange: "MomentumExchange | None" = None
 
     def register(self, model: nn.Module) -> DistributedDataParallel:
         """Register :func:`accordion_hook` on the DDP module inside ``model`` and return it.
@@ -85,6 +94,9 @@ class AccordionState(Controller):
         """The hook's work for one bucket; see :func:`accordion_hook`."""
         if not isinstance(bucket, dist.GradBucket):
             raise TypeError(_NOT_A_BUCKET.format(type(bucket).__name__))
+        momentum = self.momentum_exchange
+        if momentum is not None and momentum.active:
+            return momentum.reduce_bucket(bucket)
         buffer = bucket.buffer()  # the gradients are views of it: averaged in place
         keys = self.params.keys(bucket.parameters())
         exchange = self.reduce(keys, bucket.gradients(), bucket.is_last(), buffer=buffer)

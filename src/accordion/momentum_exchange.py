@@ -13,9 +13,13 @@ over ``1 - b1``, the momentum ``m`` being the same on every rank. Adam receives
 ``x_hat - b1 / (1 - b1) * m``, so that its own update makes ``m = (1 - b1) * x_hat``: the
 compressed average of the ranks' momenta. ``c`` clips the root mean square of the ranks'
 gradient norms to ``clip`` (one scalar all-reduce); the loop must not clip after the
-freeze, because no averaged gradient exists to clip. A coordinate whose held moment is
-zero never had a gradient (an embedding row not yet looked up): its momentum stays zero,
-as Adam would keep it, since a 1-bit code has no zero and ``eps`` alone would divide.
+freeze, because no averaged gradient exists to clip (a step whose gradients changed after
+the exchange is refused). Under DDP the state's hook does the exchange past the freeze,
+holding the buckets until the last one (the clip's norm is the whole model's); a loop
+without DDP calls :meth:`MomentumExchange.reduce` after ``backward()``. A coordinate
+whose held moment is zero never had a gradient (an embedding row not yet looked up): its
+momentum stays zero, as Adam would keep it, since a 1-bit code has no zero and ``eps``
+alone would divide.
 
 In the harness (2 gloo workers, the freeze at 22% of the run, 1-bit ``nq`` after a 2-bit
 start) it kept dense quality, better than dense, at 21.77x fewer bytes than dense, 1.53x
@@ -53,11 +57,14 @@ class MomentumExchange(StepHooks):
     """From optimizer step ``freeze_at`` on, average Adam's momentum compressed at
     ``level`` instead of the gradient, with ``v`` frozen (see the module).
 
-    The loop, after the freeze (:attr:`active`): run ``backward()`` without averaging
-    (under DDP's ``no_sync()``), do not clip, call :meth:`reduce` on every rank, then
-    ``optimizer.step()``. Before the freeze it averages and clips as usual. A step after
-    the freeze without :meth:`reduce` raises ``RuntimeError`` rather than step each rank
-    on its own gradient. The bytes go to ``state``'s ledger at ``level``.
+    The loop, after the freeze (:attr:`active`): under DDP with ``state``'s hook
+    registered, only stop clipping, since the hook exchanges the momenta (and clips)
+    instead of averaging the gradients. Without the hook, run ``backward()`` without
+    averaging (DDP's ``no_sync()``), call :meth:`reduce` on every rank, then
+    ``optimizer.step()``. Before the freeze the loop averages and clips as usual. A step
+    after the freeze with no exchange, or whose gradients changed after it (a clip),
+    raises ``RuntimeError`` rather than train wrong. The bytes go to ``state``'s ledger at
+    ``level``.
 
     Args:
         optimizer: a ``torch.optim.AdamW`` (or ``Adam`` without L2 decay), not AMSGrad.
@@ -95,6 +102,9 @@ class MomentumExchange(StepHooks):
             raise type(error)(f"level: {error}") from None
         if getattr(optimizer, _EXCHANGED, None) is not None:
             raise ValueError("optimizer has a MomentumExchange already: remove() it first")
+        if getattr(state, "momentum_exchange", None) is not None:
+            raise ValueError("state has a MomentumExchange already (another optimizer's): "
+                             "remove() it first")  # fmt: skip
         self.optimizer: torch.optim.Optimizer = optimizer
         self.state: Controller = state
         self.freeze_at: int = freeze_at
@@ -107,6 +117,9 @@ class MomentumExchange(StepHooks):
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
         self._unseen: dict[torch.Tensor, torch.Tensor] = {}  # where a held moment is zero
         self._reduced = False
+        # the exchanged parameters and their gradients' sum of squares, checked at the step
+        self._sent: tuple[list[torch.Tensor], float] = ([], 0.0)
+        self._pending: list = []  # the DDP buckets of this step, held until the last one
         self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
         #: Optimizer steps taken since this exchange was created (or as loaded).
         self.steps: int = 0
@@ -115,6 +128,7 @@ class MomentumExchange(StepHooks):
         #: Steps after the freeze on which the clip bound.
         self.clipped_steps: int = 0
         self._hook(_EXCHANGED)
+        state.momentum_exchange = self  # type: ignore[attr-defined]  # its hook hands on buckets
 
     @property
     def active(self) -> bool:
@@ -128,28 +142,77 @@ class MomentumExchange(StepHooks):
 
     def reduce(self) -> None:
         """Average the ranks' momenta into the gradients Adam will take (collective; after
-        ``backward()`` and before ``optimizer.step()``, only while :attr:`active`)."""
+        ``backward()`` under ``no_sync()`` and before ``optimizer.step()``, only while
+        :attr:`active`). Under DDP without ``no_sync()`` the state's hook does it instead."""
         if not self.active:
             raise ValueError(f"reduce() exchanges momenta from step freeze_at={self.freeze_at} "
                              f"on; this is step {self.steps}: average the gradients as "
                              "usual until then")  # fmt: skip
+        if self._reduced:
+            raise RuntimeError("the momenta of this step were exchanged already (by the DDP "
+                               "hook, in backward()): call reduce() only after a backward() "
+                               "under no_sync(), or leave the exchange to the hook")  # fmt: skip
         params = self._with_grads()
+        self._exchange(params, [p.grad for p, _ in params])  # type: ignore[misc]
+
+    def reduce_bucket(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The DDP hook's work past the freeze (:meth:`AccordionState.reduce_bucket
+        <accordion.ddp.AccordionState.reduce_bucket>` hands each bucket here): hold the
+        bucket until DDP's last one, then exchange the momenta of all of them as
+        :meth:`reduce` would, the clip's norm taken over the whole model. Returns a future
+        of the bucket's buffer."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append((bucket.buffer(), bucket.parameters(), bucket.gradients(), future))
+        if not bucket.is_last():
+            return future
+        pending, self._pending = self._pending, []
+        try:
+            params, grads = self._in_optimizer_order(pending)
+            self._exchange(params, grads)
+        except Exception as error:  # DDP re-raises it from backward(), on every bucket's wait
+            for *_, waiting in pending:
+                waiting.set_exception(error)
+        else:
+            for buffer, *_, waiting in pending:
+                waiting.set_result(buffer)
+        return future
+
+    def _in_optimizer_order(self, pending: list) -> tuple[list[tuple[torch.Tensor, dict]],
+                                                          list[torch.Tensor]]:  # fmt: skip
+        """The buckets' ``(parameter, group)`` pairs and gradients, in the optimizer's
+        order (so the hook sends what :meth:`reduce` would); ``ValueError`` for a
+        parameter DDP averages that the optimizer does not hold."""
+        order = {p: (i, g) for i, (p, g) in enumerate(
+            (p, g) for g in self.optimizer.param_groups for p in g["params"])}  # fmt: skip
+        found = []
+        for _, params, grads, _ in pending:
+            for p, grad in zip(params, grads):
+                if p not in order:
+                    raise ValueError(f"DDP averages a parameter of shape {tuple(p.shape)} "
+                                     "that the exchange's optimizer does not hold: its "
+                                     "momentum is unknown. Give the optimizer every "
+                                     "parameter the DDP module trains")  # fmt: skip
+                found.append((order[p][0], p, order[p][1], grad))
+        found.sort(key=lambda entry: entry[0])
+        return [(p, g) for _, p, g, _ in found], [grad for *_, grad in found]
+
+    def _exchange(self, params: list[tuple[torch.Tensor, dict]],
+                  grads: list[torch.Tensor]) -> None:  # fmt: skip
+        """Clip ``grads`` (``params``' local gradients), add ``b1 / (1 - b1) * m``, send
+        them at ``level`` and take the offset off again, all in place."""
         if not params:  # nothing to send: the step may go on
-            self._reduced = True
+            self._reduced, self._sent = True, ([], 0.0)
             return
         transport = self.state.transport()
         world = transport.world_size
-        coef = self._clip_factor([p.grad for p, _ in params], transport)  # type: ignore[misc]
-        grads, offsets = [], []
+        coef = self._clip_factor(grads, transport)
+        offsets = []
         with torch.no_grad():
-            for p, group in params:
+            for (p, group), grad in zip(params, grads):
                 b1 = group["betas"][0]
                 m = self.optimizer.state.get(p, {}).get("exp_avg")  # None: Adam's first step
-                grad = p.grad
-                assert grad is not None  # _with_grads() keeps those with one
                 offset = torch.zeros_like(grad) if m is None else m * (b1 / (1 - b1))
                 grad.mul_(coef).add_(offset.to(grad.dtype))
-                grads.append(grad)
                 offsets.append(offset)
             keys = self.state.params.keys([p for p, _ in params])
             self._costs.record(self.state.ledger, keys, grads, world, self.reducer,
@@ -163,14 +226,14 @@ class MomentumExchange(StepHooks):
         self.state.decider.observed = True  # the state's gradients went through this exchange
         if self.state.interval_unit == "epoch":  # the state's own exchange would count it
             self.state.step += 1
-        self._reduced = True
+        self._reduced, self._sent = True, ([p for p, _ in params], _square_sum(grads))
 
     def _clip_factor(self, grads: list[torch.Tensor], transport: Any) -> float:
         """``min(1, clip / RMS of the ranks' gradient norms)``, the same on every rank."""
         if self.clip is None:
             return 1.0
-        square = torch.stack([g.detach().double().square().sum() for g in grads]).sum()
-        mean = float(transport.all_reduce(square.reshape(1))[0]) / transport.world_size
+        square = torch.tensor([_square_sum(grads)], dtype=torch.float64)
+        mean = float(transport.all_reduce(square)[0]) / transport.world_size
         coef = min(1.0, self.clip / (math.sqrt(mean) + 1e-6))
         self.clipped_steps += coef < 1.0
         return coef
@@ -181,10 +244,12 @@ class MomentumExchange(StepHooks):
                 self._test.add(self._params())
             return
         if not self._reduced:
-            raise RuntimeError("a step after the freeze needs MomentumExchange.reduce() after "
-                               "backward(): each rank would step on its own "
-                               "gradient")  # fmt: skip
+            raise RuntimeError("a step after the freeze needs the momenta exchanged: by the "
+                               "state's DDP hook in backward(), or by "
+                               "MomentumExchange.reduce() after a backward() under no_sync(); "
+                               "else each rank would step on its own gradient")  # fmt: skip
         self._reduced = False
+        self._check_unchanged()
         for p, group in self._with_grads():
             held, state = self._frozen.get(p), optimizer.state.get(p, {})
             if held is None or "exp_avg_sq" not in state:
@@ -193,6 +258,25 @@ class MomentumExchange(StepHooks):
             target = held * (1 - beta2 ** (_steps(state) + 1))  # Adam's bias correction undone
             g2 = p.grad.detach().square().to(target.dtype)  # type: ignore[union-attr]
             state["exp_avg_sq"].copy_((target - g2 * (1 - beta2)) / beta2)  # so Adam makes target
+
+    def _check_unchanged(self) -> None:
+        """``RuntimeError`` when the gradients changed between the exchange and the step:
+        e.g. the loop clipped them, which past the freeze the exchange does (``clip``)."""
+        params, sent = self._sent
+        now = _square_sum([p.grad for p in params if p.grad is not None])
+        if abs(now - sent) > 1e-6 * max(now, sent) + 1e-30:
+            raise RuntimeError(
+                "the gradients changed between the momenta's exchange and optimizer.step() "
+                f"(their squared norm {sent:.6g} -> {now:.6g}): past the freeze they "
+                "carry the averaged momentum, so the loop must not clip or scale them; the "
+                f"exchange clips them itself (clip={self.clip})")
+
+    def remove(self) -> None:
+        """Unhook from the optimizer and the state: plain Adam, and the state's hook
+        averaging gradients, from now on."""
+        super().remove()
+        if getattr(self.state, "momentum_exchange", None) is self:
+            self.state.momentum_exchange = None
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps += 1
@@ -262,6 +346,13 @@ def _zeros(frozen: Mapping[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, to
     freeze or the load, rather than at every step)."""
     masks = {p: held == 0 for p, held in frozen.items()}
     return {p: mask for p, mask in masks.items() if bool(mask.any())}
+
+
+def _square_sum(grads: list[torch.Tensor]) -> float:
+    """The sum of squares of ``grads``, in double precision."""
+    if not grads:
+        return 0.0
+    return float(torch.stack([g.detach().double().square().sum() for g in grads]).sum())
 
 
 def _steps(state: Mapping[str, Any]) -> int:
