@@ -25,7 +25,8 @@ In the harness (2 gloo workers, the freeze at 22% of the run, 1-bit ``nq`` after
 start) it kept dense quality, better than dense, at 21.77x fewer bytes than dense, 1.53x
 fewer than static 2-bit: on charlm-tiny +0.72 points and -1.43% of validation loss, on the
 held-out charlm-heldout +1.57 and -1.96% (8 seeds each). With ``freeze_eta=0.5`` the norm
-test froze charlm-tiny at step 100 of 896: +1.03 points, -1.96%, at 23.50x. In a probe the
+test froze charlm-tiny at step 100 of 896: +1.03 points, -1.96%, at 23.50x; the wider
+charlm-small at step 75 of 640: +0.29 points, -0.60%, at 23.41x. In a probe the
 gradient at 1 bit after the same freeze lost 4.4% of loss (``docs/dense-quality.md``).
 """
 
