@@ -198,6 +198,8 @@ def test_a_step_after_the_freeze_without_the_momenta_exchanged_raises():
     ({"clip": math.inf}, ValueError, "clip must be > 0 and finite, got inf"),
     ({"clip": "1"}, TypeError, "clip must be a number, got '1'"),
     ({"window": 0}, ValueError, "window must be an int >= 1, got 0"),
+    ({"loop_clip": 0.0}, ValueError, "loop_clip must be > 0 and finite, got 0.0"),
+    ({"loop_clip": 1.0}, ValueError, "loop_clip=1.0 undoes the loop's clip .* give clip too"),
     ({"freeze_eta": 0.0}, ValueError, "freeze_eta must be > 0 and finite, got 0.0"),
     ({"state": "nq"}, TypeError, "state must be an accordion Controller"),
 ])  # fmt: skip
@@ -258,12 +260,14 @@ def _steps(rank, net, ddp, state, opt, exchange, steps, start=0, record=None,
            hooked=False) -> None:  # fmt: skip
     """Steps ``start`` to ``steps``: DDP's averages before the freeze, the exchange after
     (by ``reduce()`` under ``no_sync()``, or ``hooked``: by the DDP hook, the loop as before
-    the freeze but without the clip)."""
+    the freeze but without the clip, or with it if the exchange has a ``loop_clip``)."""
     for step in range(start, steps):
         opt.zero_grad()
         before = state.ledger.total_bytes
         if exchange.active and hooked:
             backward(ddp, step, rank)
+            if exchange.loop_clip is not None:  # a framework's clip, at every step
+                nn.utils.clip_grad_norm_(ddp.parameters(), exchange.loop_clip)
         elif exchange.active:
             with ddp.no_sync():
                 backward(ddp, step, rank)
@@ -305,6 +309,17 @@ def _gloo_job(rank: int, world_size: int, out: str) -> None:
     result["hooked"] = [p.detach().clone() for p in net.parameters()]
     result["hooked_sent"], result["hooked_clipped"] = sent["sent"], exchange.clipped_steps
     result["misuse"] = _misuse(rank, net, ddp, state, opt, exchange)
+    net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP, loop_clip=CLIP)
+    _steps(rank, net, ddp, state, opt, exchange, 8, hooked=True)
+    result["loop_clipped"] = [p.detach().clone() for p in net.parameters()]
+    result["undone"] = exchange.undone_clips
+    opt.zero_grad()
+    backward(ddp, 9, rank)
+    nn.utils.clip_grad_norm_(ddp.parameters(), CLIP / 2)  # not the loop_clip given
+    try:
+        opt.step()
+    except RuntimeError as error:
+        result["misuse"].append(str(error))
     # resumed: 5 steps, the state saved, new objects loaded, 3 more steps
     net, ddp, state, opt, correction, exchange = _build(1, (2, 2), "nq", CLIP)
     _steps(rank, net, ddp, state, opt, exchange, 5)
@@ -381,9 +396,18 @@ def test_past_the_freeze_the_ddp_hook_exchanges_the_momenta_as_reduce_does(gloo_
 
 
 def test_a_loop_that_clips_after_the_hooks_exchange_or_reduces_again_is_refused(gloo_runs):
-    clipped, reduced = gloo_runs[0]["misuse"]
-    assert "must not clip or scale them" in clipped and "clip=0.5" in clipped
+    clipped, reduced, otherwise = gloo_runs[0]["misuse"]
+    assert "must not clip or scale them" in clipped and "give its norm as loop_clip" in clipped
     assert "exchanged already" in reduced
+    assert "must not clip or scale them" in otherwise  # a clip to another norm than loop_clip
+
+
+def test_with_loop_clip_the_loops_clip_after_the_freeze_is_undone(gloo_runs):
+    for rank in (0, 1):
+        run = gloo_runs[rank]
+        for a, b in zip(run["straight"], run["loop_clipped"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert run["undone"] > 0  # the loop's clip bound after the freeze, and was undone
 
 
 def test_a_resumed_run_continues_bitwise(gloo_runs):

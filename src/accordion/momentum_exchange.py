@@ -64,8 +64,9 @@ class MomentumExchange(StepHooks):
     averaging (DDP's ``no_sync()``), call :meth:`reduce` on every rank, then
     ``optimizer.step()``. Before the freeze the loop averages and clips as usual. A step
     after the freeze with no exchange, or whose gradients changed after it (a clip),
-    raises ``RuntimeError`` rather than train wrong. The bytes go to ``state``'s ledger at
-    ``level``.
+    raises ``RuntimeError`` rather than train wrong; with ``loop_clip`` the exchange undoes
+    a clip of the loop's instead (a framework that clips every step). The bytes go to
+    ``state``'s ledger at ``level``.
 
     Args:
         optimizer: a ``torch.optim.AdamW`` (or ``Adam`` without L2 decay), not AMSGrad.
@@ -84,16 +85,28 @@ class MomentumExchange(StepHooks):
             learning rate did not rise (:class:`~accordion.diloco_warmup.WarmupEnd`, as
             it ends DiLoCo's warm-up). ``None`` (default): the freeze at ``freeze_at``.
         window: the norm test's steps per window, an int >= 1 (default 25).
+        loop_clip: the norm to which the loop clips the gradients at every step, after the
+            freeze too (a framework's clipping: the Trainer's ``max_grad_norm``,
+            Lightning's ``gradient_clip_val``), or ``None`` (default: the loop stops
+            clipping at the freeze). Past the freeze the exchange undoes that clip where it
+            bound (the exchange clipped already, with ``clip``, which it then needs); any
+            other change of the gradients still raises.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: Controller, freeze_at: int,
                  level: Any, clip: float | None = None, freeze_eta: float | None = None,
-                 window: int = 25):  # fmt: skip
+                 window: int = 25, loop_clip: float | None = None):  # fmt: skip
         _check_optimizer(optimizer)
         _check_state(state)
         freeze_at = check_int("freeze_at", freeze_at, 1)
         clip = None if clip is None else check_number("clip", clip, minimum=0, strict=True)
         window = check_int("window", window, 1)
+        if loop_clip is not None:
+            loop_clip = check_number("loop_clip", loop_clip, minimum=0, strict=True)
+            if clip is None:
+                raise ValueError(f"loop_clip={loop_clip} undoes the loop's clip past the "
+                                 "freeze, where the exchange must clip instead: give clip "
+                                 "too (e.g. the same norm)")  # fmt: skip
         if freeze_eta is not None:
             freeze_eta = check_number("freeze_eta", freeze_eta, minimum=0, strict=True)
         cls = compressor_class(state.compressor_name)
@@ -111,6 +124,7 @@ class MomentumExchange(StepHooks):
         self.freeze_at: int = freeze_at
         self.level: Any = level
         self.clip: float | None = clip
+        self.loop_clip: float | None = loop_clip
         #: The momenta's reducer: ``state``'s compressor at ``level``, its own memory.
         self.reducer: Reducer = Reducer(cls.build(level, seed=state.seed), ErrorFeedback())
         self._costs = Costs()
@@ -119,7 +133,7 @@ class MomentumExchange(StepHooks):
         self._unseen: dict[torch.Tensor, torch.Tensor] = {}  # where a held moment is zero
         self._reduced = False
         # the exchanged parameters and their gradients' squared norm, checked at the step
-        self._sent: tuple[list[torch.Tensor], float] = ([], 0.0)
+        self._sent: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.zeros(0))
         self._pending: list = []  # the DDP buckets of this step, held until the last one
         self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
         #: Optimizer steps taken since this exchange was created (or as loaded).
@@ -128,6 +142,8 @@ class MomentumExchange(StepHooks):
         self.frozen_at: int | None = None
         #: Steps after the freeze on which the clip bound.
         self.clipped_steps: int = 0
+        #: Steps after the freeze on which the loop's clip (``loop_clip``) was undone.
+        self.undone_clips: int = 0
         self._hook(_EXCHANGED)
         state.momentum_exchange = self  # type: ignore[attr-defined]  # its hook hands on buckets
 
@@ -168,7 +184,7 @@ class MomentumExchange(StepHooks):
             return future
         pending, self._pending = self._pending, []
         try:
-            params, grads = self._in_optimizer_order(pending)
+            params, grads = _in_optimizer_order(self.optimizer, pending)
             self._exchange(params, grads)
         except Exception as error:  # DDP re-raises it from backward(), on every bucket's wait
             for *_, waiting in pending:
@@ -178,31 +194,12 @@ class MomentumExchange(StepHooks):
                 waiting.set_result(buffer)
         return future
 
-    def _in_optimizer_order(self, pending: list) -> tuple[list[tuple[torch.Tensor, dict]],
-                                                          list[torch.Tensor]]:  # fmt: skip
-        """The buckets' ``(parameter, group)`` pairs and gradients, in the optimizer's
-        order (so the hook sends what :meth:`reduce` would); ``ValueError`` for a
-        parameter DDP averages that the optimizer does not hold."""
-        order = {p: (i, g) for i, (p, g) in enumerate(
-            (p, g) for g in self.optimizer.param_groups for p in g["params"])}  # fmt: skip
-        found = []
-        for _, params, grads, _ in pending:
-            for p, grad in zip(params, grads):
-                if p not in order:
-                    raise ValueError(f"DDP averages a parameter of shape {tuple(p.shape)} "
-                                     "that the exchange's optimizer does not hold: its "
-                                     "momentum is unknown. Give the optimizer every "
-                                     "parameter the DDP module trains")  # fmt: skip
-                found.append((order[p][0], p, order[p][1], grad))
-        found.sort(key=lambda entry: entry[0])
-        return [(p, g) for _, p, g, _ in found], [grad for *_, grad in found]
-
     def _exchange(self, params: list[tuple[torch.Tensor, dict]],
                   grads: list[torch.Tensor]) -> None:  # fmt: skip
         """Clip ``grads`` (``params``' local gradients), add ``b1 / (1 - b1) * m``, send
         them at ``level`` and take the offset off again, all in place."""
         if not params:  # nothing to send: the step may go on
-            self._reduced, self._sent = True, ([], 0.0)
+            self._reduced, self._sent = True, ([], torch.zeros(0))
             return
         transport = self.state.transport()
         world = transport.world_size
@@ -227,7 +224,7 @@ class MomentumExchange(StepHooks):
         self.state.decider.observed = True  # the state's gradients went through this exchange
         if self.state.interval_unit == "epoch":  # the state's own exchange would count it
             self.state.step += 1
-        self._reduced, self._sent = True, ([p for p, _ in params], _fingerprint(grads))
+        self._reduced, self._sent = True, ([p for p, _ in params], _norms(grads))
 
     def _clip_factor(self, grads: list[torch.Tensor], transport: Any) -> float:
         """``min(1, clip / RMS of the ranks' gradient norms)``, the same on every rank."""
@@ -261,16 +258,20 @@ class MomentumExchange(StepHooks):
             state["exp_avg_sq"].copy_((target - g2 * (1 - beta2)) / beta2)  # so Adam makes target
 
     def _check_unchanged(self) -> None:
-        """``RuntimeError`` when the gradients changed between the exchange and the step:
-        e.g. the loop clipped them, which past the freeze the exchange does (``clip``)."""
+        """Past the freeze, before the step: the gradients as the exchange left them, or
+        the loop's clip to ``loop_clip`` undone; else ``RuntimeError``."""
         params, sent = self._sent
-        now = _fingerprint([p.grad for p in params if p.grad is not None])
-        if abs(now - sent) > 1e-5 * max(now, sent) + 1e-30:
-            raise RuntimeError(
-                "the gradients changed between the momenta's exchange and optimizer.step() "
-                f"(their squared norm {sent:.6g} -> {now:.6g}): past the freeze they "
-                "carry the averaged momentum, so the loop must not clip or scale them; the "
-                f"exchange clips them itself (clip={self.clip})")
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            raise RuntimeError("a gradient the exchange averaged was set to None before "
+                               "optimizer.step()")  # fmt: skip
+        scale = _loop_scale(sent, grads, self.clip, self.loop_clip)  # type: ignore[arg-type]
+        if scale is None:
+            return
+        with torch.no_grad():
+            for grad in grads:
+                grad.div_(scale)  # type: ignore[union-attr]  # the loop's clip undone
+        self.undone_clips += 1
 
     def remove(self) -> None:
         """Unhook from the optimizer and the state: plain Adam, and the state's hook
@@ -309,10 +310,12 @@ class MomentumExchange(StepHooks):
     def state_dict(self) -> dict[str, Any]:
         """The steps, the step of the freeze, the held second moments in the optimizer's
         parameter order (``None`` where a parameter has none), the momenta's reducer, the
-        clip count and the norm test's windows (``None`` without one)."""
+        counts of clips and undone clips and the norm test's windows (``None`` without
+        one)."""
         return {"steps": self.steps, "frozen_at": self.frozen_at,
                 "frozen": [self._frozen.get(p) for p in self._params()],
                 "reducer": self.reducer.state_dict(), "clipped_steps": self.clipped_steps,
+                "undone_clips": self.undone_clips,
                 "test": None if self._test is None else self._test.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -338,8 +341,29 @@ class MomentumExchange(StepHooks):
         self.steps, self.frozen_at, self._test = steps, frozen_at, test
         self._frozen, self._unseen = frozen, _zeros(frozen)
         self.clipped_steps = int(state.get("clipped_steps", 0))
+        self.undone_clips = int(state.get("undone_clips", 0))
         if self.active and self._correction is not None:
             self._correction.remove()
+
+
+def _in_optimizer_order(optimizer: torch.optim.Optimizer, pending: list) -> tuple[
+        list[tuple[torch.Tensor, dict]], list[torch.Tensor]]:  # fmt: skip
+    """The held buckets' ``(parameter, group)`` pairs and gradients, in ``optimizer``'s
+    order (so the hook sends what :meth:`MomentumExchange.reduce` would); ``ValueError``
+    for a parameter DDP averages that the optimizer does not hold."""
+    order = {p: (i, g) for i, (p, g) in enumerate(
+        (p, g) for g in optimizer.param_groups for p in g["params"])}  # fmt: skip
+    found = []
+    for _, params, grads, _ in pending:
+        for p, grad in zip(params, grads):
+            if p not in order:
+                raise ValueError(f"DDP averages a parameter of shape {tuple(p.shape)} that "
+                                 "the exchange's optimizer does not hold: its momentum is "
+                                 "unknown. Give the optimizer every parameter the DDP "
+                                 "module trains")  # fmt: skip
+            found.append((order[p][0], p, order[p][1], grad))
+    found.sort(key=lambda entry: entry[0])
+    return [(p, g) for _, p, g, _ in found], [grad for *_, grad in found]
 
 
 def _zeros(frozen: Mapping[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
@@ -356,13 +380,46 @@ def _square_sum(grads: list[torch.Tensor]) -> float:
     return float(torch.stack([g.detach().double().square().sum() for g in grads]).sum())
 
 
-def _fingerprint(grads: list[torch.Tensor]) -> float:
-    """The squared norm of ``grads`` in single precision (no copy of fp32 gradients), to
-    see whether the loop changed them between the exchange and the step."""
+def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's norm in single precision (no copy of fp32 gradients), to see
+    whether the loop changed them between the exchange and the step."""
     if not grads:
-        return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
-    return float(norms.square().sum())
+        return torch.zeros(0)
+    return torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
+
+
+def _loop_scale(sent: torch.Tensor, grads: list[torch.Tensor], clip: float | None,
+                loop_clip: float | None) -> float | None:  # fmt: skip
+    """``None`` when ``grads`` have the norms ``sent`` (as exchanged); the factor of the
+    loop's clip to ``loop_clip`` when that is what changed them; else ``RuntimeError``:
+    past the freeze the gradients carry the averaged momentum."""
+    now = _norms(grads)
+    scale = _common_scale(sent, now)
+    if scale is not None and abs(scale - 1) <= 1e-5:
+        return None
+    total = float(now.double().square().sum().sqrt())
+    if scale is None or loop_clip is None or abs(total - loop_clip) > 1e-4 * loop_clip:
+        raise RuntimeError(
+            "the gradients changed between the momenta's exchange and optimizer.step() "
+            f"(their norm {float(sent.double().square().sum().sqrt()):.6g} -> {total:.6g}): "
+            "past the freeze they carry the averaged momentum, so the loop must not clip "
+            f"or scale them (the exchange clips, clip={clip}); a loop that clips every "
+            "step: give its norm as loop_clip")
+    return scale
+
+
+def _common_scale(before: torch.Tensor, after: torch.Tensor) -> float | None:
+    """The one factor by which every norm of ``before`` became ``after``'s (1.0 for
+    none), or ``None`` when they changed by different factors, as only a clip by the
+    global norm would not."""
+    moved = before > 0
+    if before.shape != after.shape or bool((after[~moved] != 0).any()):
+        return None
+    if not bool(moved.any()):
+        return 1.0
+    ratios = after[moved].double() / before[moved].double()
+    scale = float(ratios.median())
+    return scale if float((ratios - scale).abs().max()) <= 1e-5 * scale else None
 
 
 def _steps(state: Mapping[str, Any]) -> int:
