@@ -385,6 +385,18 @@ def test_checkpoint_of_another_world_size_is_refused():
         callback.load_state_dict(entry)
 
 
+def test_a_checkpoint_without_the_states_momentum_exchange_warns():
+    from accordion import MomentumExchange
+
+    net = Net()
+    state = AccordionState(net, "nq", levels=(2, 2))
+    MomentumExchange(torch.optim.AdamW(net.parameters()), state, 2, 1)
+    callback = AccordionCallback(state)
+    callback.setup(types.SimpleNamespace(strategy=DDPStrategy()), net, "fit")
+    with pytest.warns(RuntimeWarning, match="restarts the exchange before its freeze"):
+        assert callback.state_dict()["ranks"][0]["state"]
+
+
 def test_single_device_warns_and_trains_without_accordion():
     state = _state()
     callback = AccordionCallback(state)

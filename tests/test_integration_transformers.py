@@ -166,11 +166,54 @@ def _save_resume(rank, world_size, out) -> dict:
     return {"straight": straight, "resumed": _summary(trainer, state), "files": files}
 
 
+def _momentum_trainer(rank, world_size, output_dir, **kwargs):
+    """A Trainer of the tiny GPT-2 on the transformers' recipe: 2-bit ``nq`` with the noise
+    correction, then from step 3 the momenta at 1 bit; the Trainer clips at every step
+    (``max_grad_norm``), which the exchange undoes past the freeze (``loop_clip``)."""
+    set_torchrun_environment(rank, world_size)
+    from transformers import Trainer, TrainingArguments
+
+    from accordion import AdamNoiseCorrection, MomentumExchange
+    from accordion.integrations.transformers import AccordionTrainerCallback
+
+    model = _model()
+    state = AccordionState(model, "nq", levels=(2, 2), interval=2, interval_unit="step")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    AdamNoiseCorrection(optimizer, state)
+    exchange = MomentumExchange(optimizer, state, 3, 1, clip=0.05, loop_clip=0.05)
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=4,
+        max_grad_norm=0.05, report_to="none", logging_strategy="no", disable_tqdm=True,
+        seed=0, max_steps=STEPS, **kwargs,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(),
+                      optimizers=(optimizer, None))  # fmt: skip
+    AccordionTrainerCallback(state).attach(trainer)
+    return trainer, state, exchange
+
+
+def _momentum(rank, world_size, out) -> dict:
+    output_dir = os.path.join(out, "momentum")
+    trainer, state, exchange = _momentum_trainer(
+        rank, world_size, output_dir, save_strategy="steps", save_steps=4
+    )
+    trainer.train()  # saves checkpoint-4, after the freeze at step 3
+    straight = {**_summary(trainer, state), "frozen_at": exchange.frozen_at,
+                "undone": exchange.undone_clips, "bytes": state.ledger.total_bytes}  # fmt: skip
+    files = sorted(os.listdir(os.path.join(output_dir, "checkpoint-4")))
+    trainer, state, exchange = _momentum_trainer(rank, world_size, output_dir, save_strategy="no")
+    trainer.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-4"))
+    resumed = {**_summary(trainer, state), "frozen_at": exchange.frozen_at}
+    shapes = [tuple(p.shape) for p in trainer.model.parameters()]
+    return {"straight": straight, "resumed": resumed, "files": files, "shapes": shapes}
+
+
 def _run_all(rank, world_size, out):
-    # one pair of processes for the three runs: importing transformers twice per run
+    # one pair of processes for the four runs: importing transformers twice per run
     # would cost more than the training
     result = {
-        run.__name__[1:]: run(rank, world_size, out) for run in (_steps, _epochs, _save_resume)
+        run.__name__[1:]: run(rank, world_size, out)
+        for run in (_steps, _epochs, _save_resume, _momentum)
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -214,6 +257,22 @@ def test_resume_from_a_checkpoint_restores_each_ranks_state_as_if_uninterrupted(
         for key in ("total", "dense", "steps", "rungs"):
             assert resumed[key] == straight[key], key
         assert resumed["params"] == straight["params"]  # bitwise: the run resumed exactly
+
+
+def test_the_trainer_runs_the_momentum_exchange_through_the_hook_and_resumes_it(runs):
+    from accordion.accounting import wire_bytes
+
+    for r in runs["momentum"]:
+        straight, resumed = r["straight"], r["resumed"]
+        assert straight["frozen_at"] == resumed["frozen_at"] == 3
+        assert straight["undone"] > 0  # the Trainer's clip bound past the freeze, undone
+        assert {"accordion-momentum-rank0.pt", "accordion-momentum-rank1.pt"} <= set(r["files"])
+        # 3 steps of 2-bit gradients, then 5 of 1-bit momenta: the hook sent them
+        per_step = {bits: sum(wire_bytes(tuple(s), "nq", bits, 2, 4) for s in r["shapes"])
+                    for bits in (2, 1)}  # fmt: skip
+        assert straight["bytes"] == 3 * per_step[2] + 5 * per_step[1]
+        assert straight["params_equal"] and resumed["params_equal"]
+        assert resumed["params"] == straight["params"]  # bitwise: the exchange resumed too
 
 
 @pytest.fixture

@@ -148,6 +148,12 @@ class MomentumExchange(StepHooks):
         state.momentum_exchange = self  # type: ignore[attr-defined]  # its hook hands on buckets
 
     @property
+    def correction(self) -> AdamNoiseCorrection | None:
+        """The :class:`~accordion.AdamNoiseCorrection` on the optimizer when this exchange
+        was built (removed at the freeze), or ``None``."""
+        return self._correction
+
+    @property
     def active(self) -> bool:
         """Whether the freeze has come: the momenta, not the gradients, are exchanged."""
         return self.frozen_at is not None

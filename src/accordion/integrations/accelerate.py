@@ -44,6 +44,9 @@ from ..ddp import AccordionState, check_state, find_ddp
 
 #: Name of a rank's Accordion state file inside a checkpoint folder.
 STATE_FILE = "accordion-rank{rank}.pt"
+#: Name of a rank's file of the state's :class:`~accordion.MomentumExchange` (and its
+#: noise correction) inside a checkpoint folder, when the state has one.
+MOMENTUM_FILE = "accordion-momentum-rank{rank}.pt"
 
 _INSTALL = "pip install torch-accordion[integrations]"
 
@@ -71,18 +74,30 @@ def state_path(folder: str | os.PathLike, rank: int) -> str:
 
 
 def save_rank_state(state: AccordionState, folder: str | os.PathLike, rank: int) -> str:
-    """Write ``state.state_dict()`` to :func:`state_path` (creating ``folder``); return
-    the path. Every rank calls it: error-feedback memories differ between ranks."""
+    """Write ``state.state_dict()`` to :func:`state_path` (creating ``folder``), and the
+    state's momentum exchange, if it has one, to :data:`MOMENTUM_FILE`; return the state's
+    path. Every rank calls it: error-feedback memories differ between ranks."""
     os.makedirs(folder, exist_ok=True)
     path = state_path(folder, rank)
     atomic_save(state.state_dict(), path)  # a kill mid-save leaves the old file whole
+    exchange = state.momentum_exchange
+    if exchange is not None:  # its held moments and memory: a resume needs them too
+        correction = exchange.correction
+        atomic_save({"exchange": exchange.state_dict(),
+                     "correction": None if correction is None else correction.state_dict()},
+                    _momentum_path(folder, rank))  # fmt: skip
     return path
 
 
+def _momentum_path(folder: str | os.PathLike, rank: int) -> str:
+    return os.path.join(os.fspath(folder), MOMENTUM_FILE.format(rank=rank))
+
+
 def load_rank_state(state: AccordionState, folder: str | os.PathLike, rank: int) -> bool:
-    """Load this rank's file from ``folder`` into ``state``; ``False`` (with a
-    ``RuntimeWarning``) when the folder has none, e.g. a checkpoint written without
-    Accordion: the state then starts afresh, from the mildest level."""
+    """Load this rank's file from ``folder`` into ``state``, and its
+    :data:`MOMENTUM_FILE` into the state's momentum exchange if it has one; ``False``
+    (with a ``RuntimeWarning``) when the folder has no state file, e.g. a checkpoint
+    written without Accordion: the state then starts afresh, from the mildest level."""
     path = state_path(folder, rank)
     if not os.path.isfile(path):
         warnings.warn(
@@ -93,7 +108,25 @@ def load_rank_state(state: AccordionState, folder: str | os.PathLike, rank: int)
         )
         return False
     state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    exchange = state.momentum_exchange
+    if exchange is not None:
+        _load_momentum(exchange, folder, rank)
     return True
+
+
+def _load_momentum(exchange: Any, folder: str | os.PathLike, rank: int) -> None:
+    """Load this rank's :data:`MOMENTUM_FILE` into ``exchange`` (its correction first);
+    a ``RuntimeWarning`` when the folder has none: the exchange then starts afresh."""
+    path = _momentum_path(folder, rank)
+    if not os.path.isfile(path):
+        warnings.warn(f"{path} does not exist: the checkpoint holds no MomentumExchange "
+                      f"state for rank {rank}, so the exchange starts afresh (before its "
+                      "freeze)", RuntimeWarning, stacklevel=4)  # fmt: skip
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if exchange.correction is not None and saved.get("correction") is not None:
+        exchange.correction.load_state_dict(saved["correction"])
+    exchange.load_state_dict(saved["exchange"])
 
 
 def register(accelerator: Any, model: nn.Module, state: AccordionState, *, checkpoint: bool = True):
@@ -219,4 +252,5 @@ __all__ = [
     "save_rank_state",
     "load_rank_state",
     "STATE_FILE",
+    "MOMENTUM_FILE",
 ]

@@ -261,6 +261,10 @@ class AccordionCallback(pl.Callback):
         """
         if not self.active:
             return {}
+        if self.state.momentum_exchange is not None:
+            warnings.warn("this checkpoint holds the Accordion state but not its "
+                          "MomentumExchange: a run resumed from it restarts the exchange "
+                          "before its freeze", RuntimeWarning, stacklevel=2)  # fmt: skip
         entry = {"state": _map_tensors(self.state.state_dict(), "cpu"), "offset": self._offset}
         world, rank = world_and_rank()
         if world == 1:
