@@ -132,7 +132,7 @@ class MomentumExchange(StepHooks):
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
         self._unseen: dict[torch.Tensor, torch.Tensor] = {}  # where a held moment is zero
         self._reduced = False
-        # the exchanged parameters and their gradients' squared norm, checked at the step
+        # the exchanged parameters and their gradients' norms, checked at the step
         self._sent: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.zeros(0))
         self._pending: list = []  # the DDP buckets of this step, held until the last one
         self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
@@ -404,7 +404,8 @@ def _loop_scale(sent: torch.Tensor, grads: list[torch.Tensor], clip: float | Non
     if scale is not None and abs(scale - 1) <= 1e-5:
         return None
     total = float(now.double().square().sum().sqrt())
-    if scale is None or loop_clip is None or abs(total - loop_clip) > 1e-4 * loop_clip:
+    if scale is None or scale > 1 or loop_clip is None or abs(total - loop_clip) > (
+            1e-4 * loop_clip):  # fmt: skip
         raise RuntimeError(
             "the gradients changed between the momenta's exchange and optimizer.step() "
             f"(their norm {float(sent.double().square().sum().sqrt()):.6g} -> {total:.6g}): "
@@ -416,8 +417,8 @@ def _loop_scale(sent: torch.Tensor, grads: list[torch.Tensor], clip: float | Non
 
 def _common_scale(before: torch.Tensor, after: torch.Tensor) -> float | None:
     """The one factor by which every norm of ``before`` became ``after``'s (1.0 for
-    none), or ``None`` when they changed by different factors, as only a clip by the
-    global norm would not."""
+    none), or ``None`` when they changed by different factors (a clip by the global
+    norm scales them all alike)."""
     moved = before > 0
     if before.shape != after.shape or bool((after[~moved] != 0).any()):
         return None
