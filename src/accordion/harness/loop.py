@@ -124,8 +124,8 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
     optimizer step, given the next step's scheduled rate (collective at a window's end).
     With ``diloco``, backward runs under ``no_sync()`` (each rank's own gradient) and
     ``diloco.step()`` follows each optimizer step (collective at a round's end). With an
-    ``exchange`` past its freeze, backward runs under ``no_sync()`` and the exchange
-    averages (and clips) the momenta instead.
+    ``exchange`` past its freeze, the state's DDP hook hands the buckets to it, which
+    clips and averages the momenta instead, and the loop does not clip.
 
     Returns this rank's loss sum, the number of steps and each step's wall time (s, from
     before ``zero_grad`` to after the optimizer's and the batch controller's steps; on
@@ -148,12 +148,10 @@ def train_epoch(ddp, data, config, optimizer, rank, world, epoch, steps_per_epoc
         started = time.perf_counter()  # local clock only: timing must not change what is sent
         optimizer.zero_grad(set_to_none=True)
         x, y = x.to(device), y.to(device)
-        exchanging = exchange is not None and exchange.active
-        local = exchanging or (diloco is not None and not language)  # each rank's own gradient
+        local = diloco is not None and not language  # each rank's own gradient
         step_loss, hidden = _step_gradients(ddp, x, y, hidden, language, local, accumulation)
-        if exchanging:
-            exchange.reduce()  # type: ignore[union-attr]  # it clips with config.clip
-        elif config.clip is not None:
+        exchanged = exchange is not None and exchange.active  # its hook clipped, then sent
+        if config.clip is not None and not exchanged:
             # DDP averages inside backward, so this clips the averaged gradient
             nn.utils.clip_grad_norm_(ddp.parameters(), config.clip)
         if controller is not None:
