@@ -175,6 +175,52 @@ def test_save_state_writes_and_load_state_restores_each_ranks_accordion_state(tm
         assert r["loaded"] == r["saved"]
 
 
+def _exchange_record(exchange) -> dict:
+    """The exchange's step counts and its error-feedback memories, as plain values."""
+    memory = exchange.reducer.state_dict()["memory"]["memory"]
+    return {"steps": exchange.steps, "frozen_at": exchange.frozen_at,
+            "memory": [memory[key].tolist() for key in sorted(memory)]}  # fmt: skip
+
+
+def _run_momentum_save_load(rank, world_size, out):
+    """The transformers' recipe under Accelerate: 2-bit ``nq`` with the noise correction,
+    then from step 3 the momenta at 1 bit through the hook; saved at step 8 (past the
+    freeze), moved on one epoch, loaded back."""
+    from accordion import AdamNoiseCorrection, MomentumExchange
+
+    accelerator = _accelerator(rank, world_size)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    state = AccordionState(net, "nq", levels=(2, 2), interval=2, interval_unit="step")
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    AdamNoiseCorrection(optimizer, state)
+    exchange = MomentumExchange(optimizer, state, 3, 1, clip=1.0)
+    data = TensorDataset(torch.randn(128, 16), torch.randint(0, 4, (128,)))
+    model, optimizer, loader = accelerator.prepare(net, optimizer, DataLoader(data, batch_size=16))
+    model = acc.register(accelerator, model, state)
+    _train(accelerator, model, optimizer, loader, state, epochs=1)  # 4 steps a rank
+    _train(accelerator, model, optimizer, loader, state, epochs=1)
+    checkpoint = os.path.join(out, "checkpoint")
+    accelerator.save_state(checkpoint)
+    saved = _exchange_record(exchange)
+    _train(accelerator, model, optimizer, loader, state, epochs=1)  # moves the exchange on
+    moved = exchange.steps
+    accelerator.load_state(checkpoint)
+    loaded = _exchange_record(exchange)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"saved": saved, "loaded": loaded, "moved": moved,
+                   "files": sorted(os.listdir(checkpoint))}, f)  # fmt: skip
+
+
+def test_save_state_writes_and_load_state_restores_the_states_momentum_exchange(tmp_path):
+    run_processes(_run_momentum_save_load, 2, str(tmp_path), timeout=60)
+    for r in _results(tmp_path):
+        assert {"accordion-momentum-rank0.pt", "accordion-momentum-rank1.pt"} <= set(r["files"])
+        assert r["saved"]["frozen_at"] == 3 and r["moved"] > r["saved"]["steps"] == 8
+        assert r["saved"]["memory"]  # the momenta's error feedback, past the freeze
+        assert r["loaded"] == r["saved"]
+
+
 @pytest.fixture
 def single_accelerator(monkeypatch):
     """A one-process Accelerator in this process, its shared state reset afterwards."""
