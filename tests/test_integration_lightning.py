@@ -385,16 +385,48 @@ def test_checkpoint_of_another_world_size_is_refused():
         callback.load_state_dict(entry)
 
 
-def test_a_checkpoint_without_the_states_momentum_exchange_warns():
-    from accordion import MomentumExchange
+def _exchange_callback():
+    """A fitting callback (one process) whose state has a momentum exchange on AdamW."""
+    from accordion import AdamNoiseCorrection, MomentumExchange
 
     net = Net()
     state = AccordionState(net, "nq", levels=(2, 2))
-    MomentumExchange(torch.optim.AdamW(net.parameters()), state, 2, 1)
+    optimizer = torch.optim.AdamW(net.parameters())
+    AdamNoiseCorrection(optimizer, state)
+    exchange = MomentumExchange(optimizer, state, 2, 1)
     callback = AccordionCallback(state)
     callback.setup(types.SimpleNamespace(strategy=DDPStrategy()), net, "fit")
-    with pytest.warns(RuntimeWarning, match="restarts the exchange before its freeze"):
-        assert callback.state_dict()["ranks"][0]["state"]
+    return callback, exchange
+
+
+_ONE_PROCESS = types.SimpleNamespace(strategy=types.SimpleNamespace(
+    root_device=torch.device("cpu"), reduce_boolean_decision=lambda ok, all: ok))  # fmt: skip
+
+
+def test_a_checkpoint_holds_the_states_momentum_exchange():
+    callback, exchange = _exchange_callback()
+    params = [p for g in exchange.optimizer.param_groups for p in g["params"]]
+    held = [torch.rand(p.shape) + 0.1 for p in params]
+    exchange.load_state_dict({**exchange.state_dict(), "steps": 5, "frozen_at": 2,
+                              "frozen": held, "clipped_steps": 3})  # past its freeze
+    entry = callback.state_dict()
+    callback, exchange = _exchange_callback()  # a new run: only the entry carries over
+    callback.load_state_dict(entry)
+    callback._load(_ONE_PROCESS)  # on_fit_start's load, without its DDP module
+    assert (exchange.steps, exchange.frozen_at, exchange.clipped_steps) == (5, 2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(exchange.state_dict()["frozen"], held))
+    assert exchange.correction is not None and exchange.correction._handles == []  # removed
+
+
+def test_a_checkpoint_without_the_states_momentum_exchange_warns_on_load():
+    callback, _ = _exchange_callback()
+    entry = callback.state_dict()
+    del entry["ranks"][0]["momentum"]  # as written before the exchange was checkpointed
+    callback, exchange = _exchange_callback()
+    callback.load_state_dict(entry)
+    with pytest.warns(RuntimeWarning, match="the exchange starts afresh"):
+        callback._load(_ONE_PROCESS)
+    assert exchange.steps == 0
 
 
 def test_single_device_warns_and_trains_without_accordion():

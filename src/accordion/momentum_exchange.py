@@ -352,6 +352,25 @@ class MomentumExchange(StepHooks):
             self._correction.remove()
 
 
+def checkpoint_state(exchange: MomentumExchange) -> dict[str, Any]:
+    """What a checkpoint needs of ``exchange`` beyond the optimizer's and the state's:
+    its :meth:`~MomentumExchange.state_dict` and its noise correction's (``None``
+    without one), for :func:`load_checkpoint_state` (the integrations' checkpoints)."""
+    correction = exchange.correction
+    return {"exchange": exchange.state_dict(),
+            "correction": None if correction is None else correction.state_dict()}  # fmt: skip
+
+
+def load_checkpoint_state(exchange: MomentumExchange, saved: Mapping[str, Any]) -> None:
+    """Restore a :func:`checkpoint_state` into ``exchange``: the correction first, then the
+    exchange (which removes the correction again past the freeze)."""
+    if not isinstance(saved, Mapping) or "exchange" not in saved:
+        raise ValueError(f"not a MomentumExchange checkpoint state: {saved!r:.80}")
+    if exchange.correction is not None and saved.get("correction") is not None:
+        exchange.correction.load_state_dict(saved["correction"])
+    exchange.load_state_dict(saved["exchange"])
+
+
 def _in_optimizer_order(optimizer: torch.optim.Optimizer, pending: list) -> tuple[
         list[tuple[torch.Tensor, dict]], list[torch.Tensor]]:  # fmt: skip
     """The held buckets' ``(parameter, group)`` pairs and gradients, in ``optimizer``'s

@@ -41,6 +41,7 @@ from torch import nn
 from .._validate import check_bool
 from ..checkpoint.sets import atomic_save
 from ..ddp import AccordionState, check_state, find_ddp
+from ..momentum_exchange import checkpoint_state, load_checkpoint_state
 
 #: Name of a rank's Accordion state file inside a checkpoint folder.
 STATE_FILE = "accordion-rank{rank}.pt"
@@ -82,10 +83,7 @@ def save_rank_state(state: AccordionState, folder: str | os.PathLike, rank: int)
     atomic_save(state.state_dict(), path)  # a kill mid-save leaves the old file whole
     exchange = state.momentum_exchange
     if exchange is not None:  # its held moments and memory: a resume needs them too
-        correction = exchange.correction
-        atomic_save({"exchange": exchange.state_dict(),
-                     "correction": None if correction is None else correction.state_dict()},
-                    _momentum_path(folder, rank))  # fmt: skip
+        atomic_save(checkpoint_state(exchange), _momentum_path(folder, rank))
     return path
 
 
@@ -123,10 +121,7 @@ def _load_momentum(exchange: Any, folder: str | os.PathLike, rank: int) -> None:
                       f"state for rank {rank}, so the exchange starts afresh (before its "
                       "freeze)", RuntimeWarning, stacklevel=4)  # fmt: skip
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if exchange.correction is not None and saved.get("correction") is not None:
-        exchange.correction.load_state_dict(saved["correction"])
-    exchange.load_state_dict(saved["exchange"])
+    load_checkpoint_state(exchange, torch.load(path, map_location="cpu", weights_only=True))
 
 
 def register(accelerator: Any, model: nn.Module, state: AccordionState, *, checkpoint: bool = True):

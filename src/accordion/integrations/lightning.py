@@ -40,6 +40,8 @@ What it does, and why there:
   loads it in ``on_fit_start``, on the strategy's device. Lightning calls ``state_dict`` on
   every rank (``trainer.save_checkpoint`` must be called on all of them), so the gather is
   safe; rank 0 holds all ranks' memories (world size x model size, on CPU) while it saves.
+  A :class:`~accordion.MomentumExchange` on the state goes into each rank's entry too
+  (with its noise correction), and is loaded after the state.
 
 Behaviour by strategy: ``DDPStrategy`` (``"ddp"``, ``"ddp_spawn"``, ...) works on any
 device. A single device (``SingleDeviceStrategy``) has nothing to communicate: the callback
@@ -64,6 +66,7 @@ import torch.distributed as dist
 from .._validate import check_choice
 from ..compress.transport import world_and_rank
 from ..ddp import AccordionState, accordion_hook, check_state, find_ddp
+from ..momentum_exchange import checkpoint_state, load_checkpoint_state
 from ..policy import UNITS
 
 _INSTALL = (
@@ -202,8 +205,10 @@ class AccordionCallback(pl.Callback):
         error = None
         try:
             # gathered on CPU: the memories and factors belong on this rank's device
-            self.state.load_state_dict(_map_tensors(loaded["state"], trainer.strategy.root_device))
+            device = trainer.strategy.root_device
+            self.state.load_state_dict(_map_tensors(loaded["state"], device))
             offset = loaded["offset"]
+            self._load_momentum(loaded.get("momentum"), device)
         except (ValueError, TypeError, KeyError) as exc:
             error = exc
         # a rank failing alone would leave the others waiting in their first collective
@@ -261,17 +266,29 @@ class AccordionCallback(pl.Callback):
         """
         if not self.active:
             return {}
-        if self.state.momentum_exchange is not None:
-            warnings.warn("this checkpoint holds the Accordion state but not its "
-                          "MomentumExchange: a run resumed from it restarts the exchange "
-                          "before its freeze", RuntimeWarning, stacklevel=2)  # fmt: skip
-        entry = {"state": _map_tensors(self.state.state_dict(), "cpu"), "offset": self._offset}
+        exchange = self.state.momentum_exchange
+        entry = {"state": _map_tensors(self.state.state_dict(), "cpu"), "offset": self._offset,
+                 "momentum": None if exchange is None else _map_tensors(
+                     checkpoint_state(exchange), "cpu")}  # fmt: skip
         world, rank = world_and_rank()
         if world == 1:
             return {"format": FORMAT, "world_size": 1, "ranks": [entry]}
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(entry, gathered, dst=0)
         return {"format": FORMAT, "world_size": world, "ranks": gathered}
+
+    def _load_momentum(self, saved: Any, device: Any) -> None:
+        """Load the state's momentum exchange from a checkpoint entry's ``momentum``; a
+        ``RuntimeWarning`` when the state has one and the checkpoint none."""
+        exchange = self.state.momentum_exchange
+        if exchange is None:
+            return
+        if saved is None:
+            warnings.warn("the checkpoint holds no MomentumExchange state for this "
+                          "Accordion state: the exchange starts afresh, before its "
+                          "freeze", RuntimeWarning, stacklevel=4)  # fmt: skip
+            return
+        load_checkpoint_state(exchange, _map_tensors(saved, device))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Keep this rank's entry of a checkpoint's gathered states; it is loaded into the
