@@ -140,21 +140,38 @@ def fixed_grads(step: int) -> list[torch.Tensor]:
     return [gaussian(1000 + step, (8, 64)), gaussian(2000 + step, (8,))]
 
 
-def run_steps(compressor: str, level, correct: bool, steps: int = 3, clip: float | None = None):
-    """A one-layer model stepped by AdamW on fixed raw gradients averaged by the state."""
+def run_steps(compressor: str, level, correct: bool, steps: int = 3, clip: float | None = None,
+              closure: bool = False):  # fmt: skip
+    """A one-layer model stepped by AdamW on fixed raw gradients averaged by the state;
+    with ``closure``, set and averaged inside the closure given to ``opt.step`` (as
+    Lightning's automatic optimization does)."""
     torch.manual_seed(0)
     net = nn.Linear(64, 8)
     state = AccordionState(net, compressor, levels=(level, level), interval_unit="step")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     fix = AdamNoiseCorrection(opt, state) if correct else None
     for step in range(steps):
-        for p, g in zip(net.parameters(), fixed_grads(step)):
-            p.grad = g.clone()
-        state.reduce_gradients()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
+        def gradients(step=step):
+            for p, g in zip(net.parameters(), fixed_grads(step)):
+                p.grad = g.clone()
+            state.reduce_gradients()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+
+        if closure:
+            opt.step(gradients)
+        else:
+            gradients()
+            opt.step()
     return net, opt, state, fix
+
+
+def test_a_step_given_a_closure_is_corrected_after_the_closure_ran():
+    net, _, _, fix = run_steps("nq", 2, correct=True, clip=1.0)
+    closed, _, _, closed_fix = run_steps("nq", 2, correct=True, clip=1.0, closure=True)
+    for a, b in zip(net.parameters(), closed.parameters()):
+        assert torch.equal(a, b)  # the same code on the same machine, in the same order
+    assert closed_fix.corrected_steps == fix.corrected_steps > 0
 
 
 def test_without_a_compressed_tensor_the_optimizer_steps_exactly_as_plain_adamw():

@@ -343,6 +343,30 @@ def test_warmup_steps_with_plain_sgd_are_data_parallel_sgd(tmp_path):
     torch.testing.assert_close(torch.load(out), _reference_sgd(2, 4, 0.1), rtol=1e-5, atol=1e-6)
 
 
+def _warmup_sgd_closure(rank: int, world: int, out: str) -> None:
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = DiLoCo(net, inner, 10, warmup_steps=4)
+    for step in range(4):
+        def closure(step=step):
+            x, y = _batch(rank, step)
+            inner.zero_grad()
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            return loss
+
+        inner.step(closure)  # as Lightning steps: the warm-up's average after the backward
+        assert not diloco.step()
+    if rank == 0:
+        torch.save(_flat(net), out)
+
+
+def test_warmup_steps_given_a_closure_average_the_gradients_it_made(tmp_path):
+    out = tmp_path / "warmup-sgd-closure.pt"
+    run_processes(_warmup_sgd_closure, 2, str(out))
+    torch.testing.assert_close(torch.load(out), _reference_sgd(2, 4, 0.1), rtol=1e-5, atol=1e-6)
+
+
 def _resume_in_warmup(rank: int, world: int, out: str) -> None:
     def build():
         net = _net()

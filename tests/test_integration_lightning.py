@@ -207,8 +207,46 @@ def _checkpoint(out: str) -> dict:
                                 if issubclass(w.category, RuntimeWarning)]}  # fmt: skip
 
 
+class AdamNet(Net):
+    """Net on AdamW with the transformers' recipe on ``accordion``: 2-bit ``nq`` with the
+    noise correction, then from step 3 the momenta at 1 bit; Lightning clips at every step
+    (``gradient_clip_val``), which the exchange undoes past the freeze (``loop_clip``)."""
+
+    def __init__(self, accordion: AccordionState):
+        super().__init__()
+        self.accordion = accordion
+        self.exchange = None
+
+    def configure_optimizers(self):
+        from accordion import AdamNoiseCorrection, MomentumExchange
+
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        AdamNoiseCorrection(opt, self.accordion)
+        self.exchange = MomentumExchange(opt, self.accordion, 3, 1, clip=0.05, loop_clip=0.05)
+        return opt
+
+
+def _momentum_checkpoint(out: str) -> dict:
+    folder = os.path.join(out, "momentum")
+    saver = ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    runs = {}
+    for name, resume in (("full", None), ("resumed", os.path.join(folder, "epoch=1.ckpt"))):
+        state = AccordionState(None, "nq", levels=(2, 2))
+        net = AdamNet(state)
+        options = {"after": [saver], "enable_checkpointing": True} if resume is None else {}
+        _trainer(4, [AccordionCallback(state), *options.pop("after", [])],
+                 gradient_clip_val=0.05, **options).fit(net, ckpt_path=resume)  # fmt: skip
+        exchange = net.exchange
+        runs[name] = {"params": _params(net), "bytes": state.ledger.total_bytes,
+                      "steps": exchange.steps, "frozen_at": exchange.frozen_at,
+                      "undone": exchange.undone_clips}  # fmt: skip
+    runs["shapes"] = [tuple(p.shape) for p in Net().parameters()]
+    return runs
+
+
 SCENARIOS = {
     "plain_fit": _plain_fit,
+    "momentum": _momentum_checkpoint,
     "lightning_alone": _lightning_alone,
     "steplr": _steplr,
     "plateau": _plateau,
@@ -401,6 +439,19 @@ def _exchange_callback():
 
 _ONE_PROCESS = types.SimpleNamespace(strategy=types.SimpleNamespace(
     root_device=torch.device("cpu"), reduce_boolean_decision=lambda ok, all: ok))  # fmt: skip
+
+
+def test_a_fit_runs_the_momentum_exchange_through_the_hook_and_resumes_it(results):
+    from accordion.accounting import wire_bytes
+
+    for r in results("momentum"):
+        full, resumed = r["full"], r["resumed"]
+        assert full["frozen_at"] == resumed["frozen_at"] == 3 and full["steps"] == 16
+        assert full["undone"] > 0  # Lightning's clip bound past the freeze, and was undone
+        per_step = {bits: sum(wire_bytes(s, "nq", bits, WORLD, 4) for s in r["shapes"])
+                    for bits in (2, 1)}  # fmt: skip
+        assert full["bytes"] == 3 * per_step[2] + 13 * per_step[1]  # the hook sent them
+        _assert_same(full["params"], resumed["params"], "params")  # the exchange resumed
 
 
 def test_a_checkpoint_holds_the_states_momentum_exchange():

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._optim_hooks import closure_aware
 from .compress.memory import ErrorFeedback
 from .controller import Controller
 
@@ -75,7 +76,7 @@ class StepHooks:
     def _hook(self, attribute: str) -> None:
         self._attribute = attribute
         step = self.optimizer
-        self._handles: list[Any] = [step.register_step_pre_hook(self._before),
+        self._handles: list[Any] = [step.register_step_pre_hook(closure_aware(self._before)),
                                     step.register_step_post_hook(self._after)]  # fmt: skip
         setattr(self.optimizer, attribute, self)
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._optim_hooks import closure_aware
 from ._validate import check_int, check_number, check_state_keys
 from .controller import Controller
 from .diloco_schedule import SyncSchedule
@@ -223,7 +224,7 @@ class DiLoCo(WarmupSteps):
         self.inner_steps, self.rounds = 0, 0
         self._synced_at = 0  # the inner step at which the replicas were last equal
         if self.warmup_state is not None or self.warmup_test is not None:
-            inner_optimizer.register_step_pre_hook(self._before_warmup_step)
+            inner_optimizer.register_step_pre_hook(closure_aware(self._before_warmup_step))
 
     def step(self) -> bool:
         """Count one inner step; at the end of a round, sync (collective). Returns
