@@ -326,44 +326,32 @@ def test_each_warmup_step_sends_a_dense_average_and_the_rounds_add_theirs(warmup
     assert sent[3] == sent[2] < sent[4] == sent[5] < sent[6]
 
 
-def _warmup_sgd(rank: int, world: int, out: str) -> None:
+def _warmup_sgd(rank: int, world: int, out: str, closure: bool = False) -> None:
     net = _net()
     inner = torch.optim.SGD(net.parameters(), lr=0.1)
     diloco = DiLoCo(net, inner, 10, warmup_steps=4)
     for step in range(4):
-        _inner_step(net, inner, rank, step)
+        if closure:  # as Lightning steps: the warm-up's average after the closure's backward
+            inner.step(lambda step=step: _loss_backward(net, inner, rank, step))
+        else:
+            _inner_step(net, inner, rank, step)
         assert not diloco.step()
     if rank == 0:
         torch.save(_flat(net), out)
 
 
-def test_warmup_steps_with_plain_sgd_are_data_parallel_sgd(tmp_path):
+def _loss_backward(net: nn.Module, inner: torch.optim.Optimizer, rank: int, step: int):
+    x, y = _batch(rank, step)
+    inner.zero_grad()
+    loss = nn.functional.mse_loss(net(x), y)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["step()", "step(closure)"])
+def test_warmup_steps_with_plain_sgd_are_data_parallel_sgd(tmp_path, closure):
     out = tmp_path / "warmup-sgd.pt"
-    run_processes(_warmup_sgd, 2, str(out))
-    torch.testing.assert_close(torch.load(out), _reference_sgd(2, 4, 0.1), rtol=1e-5, atol=1e-6)
-
-
-def _warmup_sgd_closure(rank: int, world: int, out: str) -> None:
-    net = _net()
-    inner = torch.optim.SGD(net.parameters(), lr=0.1)
-    diloco = DiLoCo(net, inner, 10, warmup_steps=4)
-    for step in range(4):
-        def closure(step=step):
-            x, y = _batch(rank, step)
-            inner.zero_grad()
-            loss = nn.functional.mse_loss(net(x), y)
-            loss.backward()
-            return loss
-
-        inner.step(closure)  # as Lightning steps: the warm-up's average after the backward
-        assert not diloco.step()
-    if rank == 0:
-        torch.save(_flat(net), out)
-
-
-def test_warmup_steps_given_a_closure_average_the_gradients_it_made(tmp_path):
-    out = tmp_path / "warmup-sgd-closure.pt"
-    run_processes(_warmup_sgd_closure, 2, str(out))
+    run_processes(_warmup_sgd, 2, str(out), closure)
     torch.testing.assert_close(torch.load(out), _reference_sgd(2, 4, 0.1), rtol=1e-5, atol=1e-6)
 
 
