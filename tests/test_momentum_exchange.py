@@ -367,7 +367,7 @@ def _misuse(rank, net, ddp, state, opt, exchange) -> list[str]:
             opt.step()
         except RuntimeError as error:
             errors.append(str(error))
-        exchange._reduced = False  # the refused step's flag, so the next misuse is its own
+        exchange._sent = None  # the refused step's exchange, so the next misuse is its own
     return errors
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,9 +132,9 @@ class MomentumExchange(StepHooks):
         self._correction: AdamNoiseCorrection | None = getattr(optimizer, _HOOKED, None)
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
         self._unseen: dict[torch.Tensor, torch.Tensor] = {}  # where a held moment is zero
-        self._reduced = False
-        # the exchanged parameters and their gradients' norms, checked at the step
-        self._sent: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.zeros(0))
+        # this step's exchanged parameters and their gradients' norms, checked at the step;
+        # None until the step's exchange
+        self._sent: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._pending: list = []  # the DDP buckets of this step, held until the last one
         self._test = None if freeze_eta is None else WarmupEnd(self._params(), freeze_eta, window)
         #: Optimizer steps taken since this exchange was created (or as loaded).
@@ -171,7 +172,7 @@ class MomentumExchange(StepHooks):
             raise ValueError(f"reduce() exchanges momenta from step freeze_at={self.freeze_at} "
                              f"on; this is step {self.steps}: average the gradients as "
                              "usual until then")  # fmt: skip
-        if self._reduced:
+        if self._sent is not None:
             raise RuntimeError("the momenta of this step were exchanged already (by the DDP "
                                "hook, in backward()): call reduce() only after a backward() "
                                "under no_sync(), or leave the exchange to the hook")  # fmt: skip
@@ -205,7 +206,7 @@ class MomentumExchange(StepHooks):
         """Clip ``grads`` (``params``' local gradients), add ``b1 / (1 - b1) * m``, send
         them at ``level`` and take the offset off again, all in place."""
         if not params:  # nothing to send: the step may go on
-            self._reduced, self._sent = True, ([], torch.zeros(0))
+            self._sent = ([], torch.zeros(0))
             return
         transport = self.state.transport()
         world = transport.world_size
@@ -230,7 +231,7 @@ class MomentumExchange(StepHooks):
         self.state.decider.observed = True  # the state's gradients went through this exchange
         if self.state.interval_unit == "epoch":  # the state's own exchange would count it
             self.state.step += 1
-        self._reduced, self._sent = True, ([p for p, _ in params], _norms(grads))
+        self._sent = ([p for p, _ in params], _norms(grads))
 
     def _clip_factor(self, grads: list[torch.Tensor], transport: Any) -> float:
         """``min(1, clip / RMS of the ranks' gradient norms)``, the same on every rank."""
@@ -247,13 +248,13 @@ class MomentumExchange(StepHooks):
             if self._test is not None:  # the averaged (and clipped) gradient Adam will take
                 self._test.add(self._params())
             return
-        if not self._reduced:
+        sent, self._sent = self._sent, None
+        if sent is None:
             raise RuntimeError("a step after the freeze needs the momenta exchanged: by the "
                                "state's DDP hook in backward(), or by "
                                "MomentumExchange.reduce() after a backward() under no_sync(); "
                                "else each rank would step on its own gradient")  # fmt: skip
-        self._reduced = False
-        self._check_unchanged()
+        self._check_unchanged(*sent)
         for p, group in self._with_grads():
             held, state = self._frozen.get(p), optimizer.state.get(p, {})
             if held is None or "exp_avg_sq" not in state:
@@ -263,10 +264,10 @@ class MomentumExchange(StepHooks):
             g2 = p.grad.detach().square().to(target.dtype)  # type: ignore[union-attr]
             state["exp_avg_sq"].copy_((target - g2 * (1 - beta2)) / beta2)  # so Adam makes target
 
-    def _check_unchanged(self) -> None:
-        """Past the freeze, before the step: the gradients as the exchange left them, or
-        the loop's clip to ``loop_clip`` undone; else ``RuntimeError``."""
-        params, sent = self._sent
+    def _check_unchanged(self, params: list[torch.Tensor], sent: torch.Tensor) -> None:
+        """Past the freeze, before the step: the gradients of ``params`` as the exchange
+        left them (their norms ``sent``), or the loop's clip to ``loop_clip`` undone; else
+        ``RuntimeError``."""
         grads = [p.grad for p in params]
         if any(g is None for g in grads):
             raise RuntimeError("a gradient the exchange averaged was set to None before "
@@ -361,9 +362,15 @@ def checkpoint_state(exchange: MomentumExchange) -> dict[str, Any]:
             "correction": None if correction is None else correction.state_dict()}  # fmt: skip
 
 
-def load_checkpoint_state(exchange: MomentumExchange, saved: Mapping[str, Any]) -> None:
+def load_checkpoint_state(exchange: MomentumExchange, saved: Mapping[str, Any] | None,
+                          source: str = "the checkpoint") -> None:  # fmt: skip
     """Restore a :func:`checkpoint_state` into ``exchange``: the correction first, then the
-    exchange (which removes the correction again past the freeze)."""
+    exchange (which removes the correction again past the freeze). ``None`` (``source``
+    holds none) is a ``RuntimeWarning``: the exchange then starts afresh."""
+    if saved is None:
+        warnings.warn(f"{source} holds no MomentumExchange state: the exchange starts "
+                      "afresh, before its freeze", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return
     if not isinstance(saved, Mapping) or "exchange" not in saved:
         raise ValueError(f"not a MomentumExchange checkpoint state: {saved!r:.80}")
     if exchange.correction is not None and saved.get("correction") is not None:
@@ -376,19 +383,15 @@ def _in_optimizer_order(optimizer: torch.optim.Optimizer, pending: list) -> tupl
     """The held buckets' ``(parameter, group)`` pairs and gradients, in ``optimizer``'s
     order (so the hook sends what :meth:`MomentumExchange.reduce` would); ``ValueError``
     for a parameter DDP averages that the optimizer does not hold."""
-    order = {p: (i, g) for i, (p, g) in enumerate(
-        (p, g) for g in optimizer.param_groups for p in g["params"])}  # fmt: skip
-    found = []
-    for _, params, grads, _ in pending:
-        for p, grad in zip(params, grads):
-            if p not in order:
-                raise ValueError(f"DDP averages a parameter of shape {tuple(p.shape)} that "
-                                 "the exchange's optimizer does not hold: its momentum is "
-                                 "unknown. Give the optimizer every parameter the DDP "
-                                 "module trains")  # fmt: skip
-            found.append((order[p][0], p, order[p][1], grad))
-    found.sort(key=lambda entry: entry[0])
-    return [(p, g) for _, p, g, _ in found], [grad for *_, grad in found]
+    held = {p: grad for _, params, grads, _ in pending for p, grad in zip(params, grads)}
+    pairs = [(p, g) for g in optimizer.param_groups for p in g["params"] if p in held]
+    if len(pairs) != len(held):
+        known = {p for p, _ in pairs}
+        foreign = next(p for p in held if p not in known)
+        raise ValueError(f"DDP averages a parameter of shape {tuple(foreign.shape)} that the "
+                         "exchange's optimizer does not hold: its momentum is unknown. Give "
+                         "the optimizer every parameter the DDP module trains")  # fmt: skip
+    return pairs, [held[p] for p, _ in pairs]
 
 
 def _zeros(frozen: Mapping[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:

@@ -116,12 +116,10 @@ def _load_momentum(exchange: Any, folder: str | os.PathLike, rank: int) -> None:
     """Load this rank's :data:`MOMENTUM_FILE` into ``exchange`` (its correction first);
     a ``RuntimeWarning`` when the folder has none: the exchange then starts afresh."""
     path = _momentum_path(folder, rank)
-    if not os.path.isfile(path):
-        warnings.warn(f"{path} does not exist: the checkpoint holds no MomentumExchange "
-                      f"state for rank {rank}, so the exchange starts afresh (before its "
-                      "freeze)", RuntimeWarning, stacklevel=4)  # fmt: skip
-        return
-    load_checkpoint_state(exchange, torch.load(path, map_location="cpu", weights_only=True))
+    saved = None
+    if os.path.isfile(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    load_checkpoint_state(exchange, saved, source=f"{folder} (rank {rank})")
 
 
 def register(accelerator: Any, model: nn.Module, state: AccordionState, *, checkpoint: bool = True):

@@ -208,7 +208,9 @@ class AccordionCallback(pl.Callback):
             device = trainer.strategy.root_device
             self.state.load_state_dict(_map_tensors(loaded["state"], device))
             offset = loaded["offset"]
-            self._load_momentum(loaded.get("momentum"), device)
+            exchange, saved = self.state.momentum_exchange, loaded.get("momentum")
+            if exchange is not None:  # a checkpoint without it warns, and it starts afresh
+                load_checkpoint_state(exchange, _map_tensors(saved, device))
         except (ValueError, TypeError, KeyError) as exc:
             error = exc
         # a rank failing alone would leave the others waiting in their first collective
@@ -276,19 +278,6 @@ class AccordionCallback(pl.Callback):
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(entry, gathered, dst=0)
         return {"format": FORMAT, "world_size": world, "ranks": gathered}
-
-    def _load_momentum(self, saved: Any, device: Any) -> None:
-        """Load the state's momentum exchange from a checkpoint entry's ``momentum``; a
-        ``RuntimeWarning`` when the state has one and the checkpoint none."""
-        exchange = self.state.momentum_exchange
-        if exchange is None:
-            return
-        if saved is None:
-            warnings.warn("the checkpoint holds no MomentumExchange state for this "
-                          "Accordion state: the exchange starts afresh, before its "
-                          "freeze", RuntimeWarning, stacklevel=4)  # fmt: skip
-            return
-        load_checkpoint_state(exchange, _map_tensors(saved, device))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Keep this rank's entry of a checkpoint's gathered states; it is loaded into the
