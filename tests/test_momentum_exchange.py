@@ -188,6 +188,25 @@ def test_a_step_after_the_freeze_without_the_momenta_exchanged_raises():
         opt.step()
 
 
+def test_past_the_freeze_an_amp_grad_scalers_unscale_is_refused():
+    net = make_net()
+    state = AccordionState(net, "nq", levels=(2, 2), interval_unit="step")
+    opt = adamw(net)
+    exchange = MomentumExchange(opt, state, 1, 1, clip=CLIP)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch(step)
+        scaler.scale(nn.functional.mse_loss(net(x), y)).backward()
+        if step == 0:
+            state.reduce_gradients()
+            scaler.step(opt)  # before the freeze the scaler works as without the exchange
+            scaler.update()
+    exchange.reduce()
+    with pytest.raises(RuntimeError, match="GradScaler's unscale_ is such a scaling"):
+        scaler.step(opt)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"freeze_at": 0}, ValueError, "freeze_at must be an int >= 1, got 0"),
     ({"freeze_at": True}, TypeError, "freeze_at must be an int >= 1, got True"),

@@ -433,7 +433,8 @@ def _loop_scale(sent: torch.Tensor, grads: list[torch.Tensor], clip: float | Non
             f"(their norm {float(sent.double().square().sum().sqrt()):.6g} -> {total:.6g}): "
             "past the freeze they carry the averaged momentum, so the loop must not clip "
             f"or scale them (the exchange clips, clip={clip}); a loop that clips every "
-            "step: give its norm as loop_clip")
+            "step: give its norm as loop_clip; an AMP GradScaler's unscale_ is such a "
+            "scaling: use bf16 autocast, which needs no scaler")
     return scale
 
 
