@@ -22,11 +22,20 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
-def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
-    """One inner step of MSE on this rank's batch."""
+def loss_backward(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                  step: int) -> torch.Tensor:  # fmt: skip
+    """Zero the gradients, then MSE on this rank's batch and its backward; the loss (a
+    closure for ``optimizer.step``)."""
     x, y = batch(rank, step)
     optimizer.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    """One inner step of MSE on this rank's batch."""
+    loss_backward(model, optimizer, rank, step)
     optimizer.step()
 
 

@@ -332,20 +332,12 @@ def _warmup_sgd(rank: int, world: int, out: str, closure: bool = False) -> None:
     diloco = DiLoCo(net, inner, 10, warmup_steps=4)
     for step in range(4):
         if closure:  # as Lightning steps: the warm-up's average after the closure's backward
-            inner.step(lambda step=step: _loss_backward(net, inner, rank, step))
+            inner.step(lambda step=step: diloco_parts.loss_backward(net, inner, rank, step))
         else:
             _inner_step(net, inner, rank, step)
         assert not diloco.step()
     if rank == 0:
         torch.save(_flat(net), out)
-
-
-def _loss_backward(net: nn.Module, inner: torch.optim.Optimizer, rank: int, step: int):
-    x, y = _batch(rank, step)
-    inner.zero_grad()
-    loss = nn.functional.mse_loss(net(x), y)
-    loss.backward()
-    return loss
 
 
 @pytest.mark.parametrize("closure", [False, True], ids=["step()", "step(closure)"])
