@@ -35,6 +35,7 @@ from typing import Any
 # Registration order is the order in which the registry lists the compressors.
 # ruff: noqa: I001
 from .base import (
+    COLLECTIVES,
     RANK_CHANGE_POLICIES,
     SHARED_OPTIONS,
     Compressor,
@@ -60,6 +61,7 @@ from .reducer import Reducer, average_in_place
 from .transport import (
     AllGather,
     AllReduce,
+    AllToAll,
     Broadcast,
     Exchange,
     LocalTransport,
@@ -70,10 +72,12 @@ from .transport import (
 )
 
 __all__ = [
+    "COLLECTIVES",
     "RANK_CHANGE_POLICIES",
     "SHARED_OPTIONS",
     "AllGather",
     "AllReduce",
+    "AllToAll",
     "Broadcast",
     "BreakEvenDescription",
     "Compressor",
@@ -110,7 +114,7 @@ __all__ = [
 
 def make_compressor(name: str, level: Any = None, **options: Any) -> Compressor:
     """Build the registered compressor ``name`` at ``level`` (its default mild level when
-    ``None``) with the shared ``options`` (``seed``, ``on_rank_change``): its class's
+    ``None``) with the shared ``options`` (``seed``, ``on_rank_change``, ``collective``): its class's
     :meth:`Compressor.build`. A level that is not one of the compressor's (any but
     ``None`` for ``dense``) is a ``ValueError``."""
     cls = compressor_class(name)

@@ -47,6 +47,7 @@ from .wire import Message
 
 __all__ = [
     "REFERENCE_ELEMENT_SIZE",
+    "COLLECTIVES",
     "RANK_CHANGE_POLICIES",
     "SHARED_OPTIONS",
     "Compressor",
@@ -66,10 +67,14 @@ Result = list[tuple[torch.Tensor, torch.Tensor | None]]
 #: compressor's warm-start state (``"reuse"``: keep what still fits; ``"redraw"``: draw
 #: it again from the shared seed).
 RANK_CHANGE_POLICIES = ("redraw", "reuse")
+#: The values of the shared option ``collective``: how a quantiser's payloads travel
+#: (``"auto"``: whichever of the two sends fewer bytes at the exchange's world size;
+#: ``"all_gather"``; ``"two_phase"``: the compressed all-reduce of ``two_phase.py``).
+COLLECTIVES = ("auto", "all_gather", "two_phase")
 #: The options :meth:`Compressor.build` takes for every compressor, each using those it
-#: has: ``seed`` (an int shared by all workers for random state) and ``on_rank_change``
-#: (one of :data:`RANK_CHANGE_POLICIES`).
-SHARED_OPTIONS = ("seed", "on_rank_change")
+#: has: ``seed`` (an int shared by all workers for random state), ``on_rank_change``
+#: (one of :data:`RANK_CHANGE_POLICIES`) and ``collective`` (one of :data:`COLLECTIVES`).
+SHARED_OPTIONS = ("seed", "on_rank_change", "collective")
 
 
 class Compressor(LevelLanguage, CostDescription):
@@ -155,6 +160,11 @@ class Compressor(LevelLanguage, CostDescription):
         """Move ``old``'s level and state to the key ``new``."""
         if old in self._levels:
             self._levels[new] = self._levels.pop(old)
+
+    def track_noise(self, on: bool) -> None:  # noqa: B027 - optional: most have no noise model
+        """Whether the next exchanges must record :meth:`residual_variance` (Adam's noise
+        correction reads it); a compressor for which the record costs bytes on the wire
+        sends them only while ``on``. Set by the :class:`Reducer` before each exchange."""
 
     def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
         """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""

@@ -75,6 +75,7 @@ class Mixed(Compressor):
         super().__init__(level)
         self._options = dict(options)
         self._parts: dict[str, Compressor] = {}
+        self._noise = False  # what track_noise last said, for parts built later
         # per key: the part that sent it at its last exchange, and at the one before
         self._senders: dict[Hashable, tuple[str, str | None]] = {}
 
@@ -164,7 +165,14 @@ class Mixed(Compressor):
         """The part compressor called ``name``, built on first use."""
         if name not in self._parts:
             self._parts[name] = compressor_class(name).build(None, **self._options)
+            self._parts[name].track_noise(self._noise)
         return self._parts[name]
+
+    def track_noise(self, on: bool) -> None:
+        """Every part's :meth:`Compressor.track_noise`, those built later included."""
+        self._noise = on
+        for part in self._parts.values():
+            part.track_noise(on)
 
     def exchange(
         self,
@@ -236,6 +244,7 @@ class Mixed(Compressor):
         loaded = {}
         for name, part_state in parts.items():
             part = compressor_class(name).build(None, **self._options)
+            part.track_noise(self._noise)
             part.load_state_dict(part_state)
             loaded[name] = part
         self.default_level, self._levels, self._parts = default, levels, loaded

@@ -103,13 +103,14 @@ def rms_dequantize(codes: torch.Tensor, scales: torch.Tensor, shape: Sequence[in
 class NormalQuantizer(IntQuantizer):
     """RMS-scaled quantisation at 4, 3, 2 or 1 bits per element (see the module).
 
-    The exchange, the residual (the local quantisation error, clipping included), the
-    bytes, the break-even and the average (every worker decodes the ``W`` payloads,
-    worker 0 first, and divides their sum by ``W``, bitwise the same on every rank) are
-    the integer quantiser's; only the grid differs.
+    The exchange (in two phases or one all-gather), the residual (the local quantisation
+    error, clipping included), the bytes and the average (bitwise the same on every rank)
+    are the integer quantiser's; only the grid differs.
 
     Args:
         bits: default level, 4, 3, 2 or 1 bits per element.
+        collective: ``"auto"`` (default), ``"all_gather"`` or ``"two_phase"`` (see
+            :class:`~accordion.compress.quantize.IntQuantizer`).
     """
 
     name = "nq"
@@ -119,8 +120,8 @@ class NormalQuantizer(IntQuantizer):
     title = "RMS-scaled quantisation"
     bit_widths: ClassVar[tuple[int, ...]] = BITS
 
-    def __init__(self, bits: int = 3):
-        super().__init__(bits)
+    def __init__(self, bits: int = 3, collective: str = "auto"):
+        super().__init__(bits, collective)
 
     @classmethod
     def label(cls, level: Any) -> str:

@@ -142,8 +142,10 @@ class PowerSGD(Compressor):
 
     @classmethod
     def _construct(cls, level: Any, options: Mapping[str, Any]) -> PowerSGD:
-        """Both shared options, ``seed`` and ``on_rank_change``, go to the constructor."""
-        return cls(**options) if level is None else cls(level, **options)
+        """Two shared options, ``seed`` and ``on_rank_change``, go to the constructor
+        (``collective`` is a quantiser's: factors are always all-reduced)."""
+        mine = {k: v for k, v in options.items() if k in ("seed", "on_rank_change")}
+        return cls(**mine) if level is None else cls(level, **mine)
 
     @classmethod
     def check_level(cls, level: Any) -> int:

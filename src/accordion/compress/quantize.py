@@ -30,10 +30,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._validate import check_int
-from .base import Compressor, Result, register
-from .transport import AllGather, Exchange
-from .wire import Message, check_world_size
+from .._validate import check_choice, check_int
+from .base import COLLECTIVES, Compressor, Result, register
+from .transport import AllGather, Exchange, parallel
+from .two_phase import ServerErrors, two_phase_bytes, two_phase_exchange
+from .wire import Message, allgather_bytes, check_world_size
 
 #: Elements per block (of one row) that share one scale.
 BLOCK = 64
@@ -178,25 +179,33 @@ class IntQuantizer(Compressor):
     """Integer quantisation with per-row blocks of :data:`BLOCK` elements, each with one
     fp16 scale; the level is the bit width, 8, 4 or 2 (see the module for the format).
 
-    Each worker quantises its compensated input ``M`` and all-gathers the packed integers
-    and the scales of all tensors of the call, in one flat payload each; every worker then
-    dequantises the ``W`` payloads, worker 0 first, sums them in fp32 (or the inputs'
-    dtype, if wider) and divides by ``W``, so that every rank computes bitwise the same
-    average, returned in the inputs' dtype. Integers cannot be all-reduced: each worker's
-    scales are its own. The residual is the local quantisation error ``M - dequant(quant(
-    M))``, which error feedback sends with the next step.
+    Each worker quantises its compensated input ``M``. Then, per bit width of a call:
+
+    * **two phases** (``two_phase.py``, the default past two workers): the call's tensors
+      end to end are cut into ``W`` chunks, one per owner; the owners average what they
+      receive in fp32, quantise the average again (adding their *server error*, what the
+      last such quantisation did not send, checkpointed with the compressor) and all of
+      them are all-gathered. Each worker sends about ``2 (W - 1) / W`` of its quantised
+      payload, flat in ``W``: int8 about 0.26x a dense fp32 ring all-reduce at any size.
+    * **one all-gather** of the packed integers and the scales of all tensors: every
+      worker dequantises the ``W`` payloads, worker 0 first, and averages them. Each
+      worker's bytes grow with ``W - 1``; at two workers it sends what two phases send,
+      with one quantisation less.
+
+    ``collective`` picks one (``"auto"``: whichever sends fewer bytes at the exchange's
+    world size, the all-gather at ties). Either way every rank computes bitwise the same
+    average, returned in the inputs' dtype. The residual is the local quantisation error
+    ``M - dequant(quant(M))``, which error feedback sends with the next step.
 
     It applies to every tensor, biases and scalars included, and pays for every one
     (:meth:`Compressor.pays`: at most 3 bytes per element against fp32's 4, for a scalar
-    at 8 bits); but its all-gathers grow with the workers, so that past
-    :meth:`break_even`'s worker count a level sends more than a dense ring all-reduce
-    (about 7.8 workers at 8 bits, 15 at 4 and 28 at 2, for fp32 gradients in full
-    blocks). A scale overflows fp16
-    beyond 65504 (a block's ``max |M|`` above ``65504 q``): the step is then non-finite,
-    as half precision's overflow is, and the :class:`Reducer` resets the memory.
+    at 8 bits). A scale overflows fp16 beyond 65504 (a block's ``max |M|`` above
+    ``65504 q``): the step is then non-finite, as half precision's overflow is, and the
+    :class:`Reducer` resets the memory.
 
     Args:
         bits: default level, 8, 4 or 2 bits per element.
+        collective: ``"auto"`` (default), ``"all_gather"`` or ``"two_phase"``.
     """
 
     name = "int"
@@ -206,11 +215,19 @@ class IntQuantizer(Compressor):
     title = "integer quantisation"
     #: The bit widths (levels) of the class, mildest first.
     bit_widths: ClassVar[tuple[int, ...]] = BITS
-    #: ``variance``: the residual variances Adam's noise correction reads (older files lack it).
-    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"variance"})
+    #: Elements per block sharing one scale, and the scales' dtype (the two-phase codec).
+    block: ClassVar[int] = BLOCK
+    scale_dtype: ClassVar[torch.dtype] = SCALE_DTYPE
+    #: ``variance``: the residual variances Adam's noise correction reads; ``server_error``:
+    #: the two-phase exchange's (older files lack them).
+    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"variance", "server_error"})
 
-    def __init__(self, bits: int = 8):
+    def __init__(self, bits: int = 8, collective: str = "auto"):
         super().__init__(bits)
+        #: How payloads travel: ``"auto"``, ``"all_gather"`` or ``"two_phase"`` (the class).
+        self.collective = check_choice("collective", collective, COLLECTIVES)
+        self._server = ServerErrors()
+        self._noise = False  # whether the two-phase exchange sends the variance
         # per key: the workers' summed residual variance per block, last exchange and the
         # one before (residual_variance), and the tensor's shape
         self._variance: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
@@ -236,28 +253,48 @@ class IntQuantizer(Compressor):
         per += blocks.view(*per.shape[:-1], 1)
         return _unblocked(per, shape).view(shape)
 
+    @classmethod
+    def _construct(cls, level: Any, options: Mapping[str, Any]) -> IntQuantizer:
+        """The shared option ``collective`` goes to the constructor."""
+        mine = {"collective": options["collective"]} if "collective" in options else {}
+        return cls(**mine) if level is None else cls(level, **mine)
+
+    def track_noise(self, on: bool) -> None:
+        """While ``on``, the two-phase owners also send each block's first-phase scale RMS
+        (2 bytes a block), so that every rank has the average's error variance."""
+        self._noise = bool(on)
+
     def reset(self, keys: Iterable[Hashable]) -> None:
-        """Forget the residual variances of ``keys`` (their memory was reset)."""
+        """Forget the residual variances and server errors of ``keys`` (their memory was
+        reset)."""
+        keys = list(keys)
         for key in keys:
             self._variance.pop(key, None)
+        self._server.reset(keys)
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         super().rename(old, new)
         if old in self._variance:
             self._variance[new] = self._variance.pop(old)
+        self._server.rename(old, new)
 
     def state_dict(self) -> dict[str, Any]:
-        """Levels, and per key the residual variances of its last two exchanges, so that a
-        resumed run corrects Adam for the same noise (:meth:`residual_variance`)."""
+        """Levels; per key the residual variances of its last two exchanges, so that a
+        resumed run corrects Adam for the same noise (:meth:`residual_variance`); and the
+        two-phase server errors this rank owns."""
         variance = {key: {"now": now.clone(), "before": None if before is None
                           else before.clone(), "shape": list(shape)}
                     for key, (now, before, shape) in self._variance.items()}  # fmt: skip
-        return {**super().state_dict(), "variance": variance}
+        return {**super().state_dict(), "variance": variance,
+                "server_error": self._server.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         default, levels = self._checked_levels(state)
         variance = _checked_variances(state.get("variance", {}))
+        server = ServerErrors()
+        server.load_state_dict(state.get("server_error", []))
         self.default_level, self._levels, self._variance = default, levels, variance
+        self._server = server
 
     def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
         """:meth:`Compressor.check_shapes`, and each key's residual variances fit its
@@ -271,6 +308,7 @@ class IntQuantizer(Compressor):
             if now.numel() != blocks:
                 raise ValueError(f"compressor variance[{key!r}] has {now.numel()} blocks; a "
                                  f"tensor of shape {shape} has {blocks}")  # fmt: skip
+        self._server.check_shapes(shapes)
 
     def _record_variance(self, key: Hashable, scales: torch.Tensor, bits: int,
                          shape: tuple[int, ...]) -> None:  # fmt: skip
@@ -368,14 +406,76 @@ class IntQuantizer(Compressor):
         world_size: int,
         out: Sequence[torch.Tensor] | None = None,
     ) -> Exchange[Result]:
-        """Quantise ``tensors`` (each becomes its residual), all-gather the payload and the
-        scales in one phase, and average the workers' dequantised tensors (see the class)."""
+        """Quantise ``tensors`` (each becomes its residual) and average them over the
+        workers, each bit width's tensors in two phases or in one all-gather (see the
+        class); the collectives of all of them travel in the same phases."""
         if not tensors:
             return []
-        bits = [self.level(key) for key in keys]
+        widths: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            widths.setdefault(self.level(key), []).append(i)
+        spans, exchanges, gathered = [], [], []
+        for bits, ix in widths.items():
+            if self.two_phase_pays([tensors[i].numel() for i in ix], bits, world_size):
+                spans.append(ix)
+                exchanges.append(self._two_phase(keys, tensors, ix, bits, world_size, out))
+            else:
+                gathered.extend(ix)
+        if gathered:
+            spans.append(gathered)
+            exchanges.append(self._all_gather(keys, tensors, gathered, out))
+        replies = yield from parallel(*exchanges)
+        results: Result = [None] * len(tensors)  # type: ignore[list-item]
+        for ix, reply in zip(spans, replies):
+            for i, result in zip(ix, reply):
+                results[i] = result
+        return results
+
+    def two_phase_pays(self, numels: Sequence[int], bits: int, world_size: int) -> bool:
+        """Whether tensors of ``numels`` elements at ``bits`` bits travel in two phases at
+        ``world_size`` workers: as :attr:`collective` says, or for ``"auto"`` where that
+        sends fewer bytes than one all-gather (from three workers on, but for calls of a
+        few elements on many workers, whose chunks are mostly padding)."""
+        if self.collective != "auto":
+            return self.collective == "two_phase"
+        total = sum(numels)
+        phases = two_phase_bytes(total, bits, world_size, BLOCK, SCALE_BYTES,
+                                 variance=self._noise)  # fmt: skip
+        payload = sum(packed_bytes(n, bits) + SCALE_BYTES * block_count((n,)) for n in numels)
+        return phases < allgather_bytes(payload, world_size)
+
+    def _two_phase(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
+                   ix: Sequence[int], bits: int, world_size: int,
+                   out: Sequence[torch.Tensor] | None) -> Exchange[Result]:  # fmt: skip
+        """The tensors ``ix`` (one bit width) averaged by :func:`two_phase_exchange`."""
+        part, part_keys = [tensors[i] for i in ix], [keys[i] for i in ix]
+        numels = [m.numel() for m in part]
+        chunk = -(-sum(numels) // (world_size * BLOCK)) * BLOCK
+        error = self._server.get(part_keys, numels, world_size, chunk)
+        result = yield from two_phase_exchange(type(self), part, bits, world_size, error,
+                                               variance=self._noise)  # fmt: skip
+        self._server.put(part_keys, numels, world_size, result.server_error)
+        results: Result = []
+        offset = 0
+        for i, m in zip(ix, part):
+            n = m.numel()
+            average = result.average[offset : offset + n].view(m.shape)
+            if result.variance is not None:
+                self._record_element_variance(keys[i], result.variance[offset : offset + n],
+                                              tuple(m.shape))  # fmt: skip
+            average = average.to(m.dtype) if out is None else out[i].copy_(average)
+            results.append((average, m))
+            offset += n
+        return results
+
+    def _all_gather(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
+                    ix: Sequence[int], out: Sequence[torch.Tensor] | None) -> Exchange[Result]:
+        """The tensors ``ix`` averaged from one all-gather of their packed integers and
+        one of their scales."""
+        bits = [self.level(keys[i]) for i in ix]
         payload, scales = [], []
-        for m, b in zip(tensors, bits):
-            packed, s = self.encode(m, b)  # m becomes its residual
+        for i, b in zip(ix, bits):
+            packed, s = self.encode(tensors[i], b)  # the tensor becomes its residual
             payload.append(packed)
             scales.append(s)
         sent, sent_scales = torch.cat(payload), torch.cat(scales)
@@ -385,7 +485,8 @@ class IntQuantizer(Compressor):
             gathered, gathered_scales = sent.unsqueeze(0), sent_scales.unsqueeze(0)
         results: Result = []
         offset = scale_offset = 0
-        for i, (m, b) in enumerate(zip(tensors, bits)):
+        for i, b in zip(ix, bits):
+            m = tensors[i]
             nbytes, nscales = packed_bytes(m.numel(), b), block_count(m.shape)
             own = gathered_scales[:, scale_offset : scale_offset + nscales]
             each = self.decode(gathered[:, offset : offset + nbytes], own, m.shape, b,
@@ -399,6 +500,16 @@ class IntQuantizer(Compressor):
             results.append((average, m))
             offset, scale_offset = offset + nbytes, scale_offset + nscales
         return results
+
+    def _record_element_variance(self, key: Hashable, per_element: torch.Tensor,
+                                 shape: tuple[int, ...]) -> None:  # fmt: skip
+        """Keep ``key``'s summed residual variance from one per element (the two-phase
+        exchange's blocks are the call's, not the tensor's): its mean over each of the
+        tensor's own blocks, and the last one as the previous."""
+        count = _blocked(torch.ones_like(per_element), shape).sum(-1)
+        pooled = (_blocked(per_element, shape).sum(-1) / count.clamp_min(1)).reshape(-1)
+        last = self._variance.get(key)
+        self._variance[key] = (pooled, None if last is None else last[0], shape)
 
     @classmethod
     def encode(cls, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -173,6 +173,7 @@ class Reducer:
     ) -> Exchange[bool]:
         """Average ``grads`` in place; the exchange returns whether the result was finite."""
         _check_gradients(keys, grads, world_size)
+        self.compressor.track_noise(self.noise.on)
         exchanges, order, owed = self._start(keys, grads, world_size)
         received: list[torch.Tensor] = []
         results = yield from _recording(parallel(*exchanges), received)

@@ -12,6 +12,9 @@ compressor code run
   that tests check multi-worker arithmetic without processes, and
 * in a single process with no group at all (:class:`LocalTransport`).
 
+An :class:`AllToAll` is the first phase of a two-phase compressed all-reduce
+(``two_phase.py``): each worker sends row ``j`` of its tensor to worker ``j``.
+
 A transport is the one source of the world size, this worker's rank and the group
 (``world_size``, ``rank``, ``group``). :func:`open_transport` opens the controller's (on
 a :func:`private_group`), :func:`group_transport` one over a group as it is;
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .._validate import check_choice
-from .wire import allgather_bytes, allreduce_bytes, check_world_size
+from .wire import allgather_bytes, allreduce_bytes, alltoall_bytes, check_world_size
 
 T = TypeVar("T")
 
@@ -59,7 +62,16 @@ class Broadcast:
     src: int = 0
 
 
-Collective = AllReduce | AllGather | Broadcast
+@dataclass(frozen=True)
+class AllToAll:
+    """Send row ``j`` of ``tensor`` (``[W, ...]``, the same shape on every worker) to
+    worker ``j``. The result is a new ``[W, ...]`` tensor whose row ``i`` is worker ``i``'s
+    row for this worker."""
+
+    tensor: torch.Tensor
+
+
+Collective = AllReduce | AllGather | Broadcast | AllToAll
 #: The type of a compressor's exchange: yields phases, receives their results, returns T.
 Exchange = Generator[list[Collective], list[Any], T]
 
@@ -71,6 +83,8 @@ def collective_bytes(op: Collective, world_size: int) -> float:
         return allreduce_bytes(nbytes, world_size)
     if isinstance(op, Broadcast):  # a ring broadcast: every worker but the last forwards it
         return nbytes if world_size > 1 else 0.0
+    if isinstance(op, AllToAll):
+        return alltoall_bytes(nbytes, world_size)
     return allgather_bytes(nbytes, world_size)
 
 
@@ -152,6 +166,9 @@ class SimulatedTransport:
         for j in range(count):
             ops = [p[j] for p in phases]
             kind, shape = type(ops[0]), ops[0].tensor.shape
+            if kind is AllToAll and (not shape or shape[0] != self.world_size):
+                raise RuntimeError(f"all-to-all {j} needs a leading dimension of "
+                                   f"{self.world_size}, got {tuple(shape)}")  # fmt: skip
             if any(type(op) is not kind or op.tensor.shape != shape for op in ops):
                 raise RuntimeError(
                     f"workers disagree on collective {j}: "
@@ -171,6 +188,10 @@ class SimulatedTransport:
                 for w, op in enumerate(ops):
                     op.tensor.copy_(source)
                     replies[w].append(op.tensor)
+            elif kind is AllToAll:
+                sent = torch.stack([op.tensor for op in ops])  # [from, to, ...]
+                for w in range(self.world_size):
+                    replies[w].append(sent[:, w].clone())
             else:
                 gathered = torch.stack([op.tensor for op in ops])
                 for w in range(self.world_size):
@@ -180,7 +201,8 @@ class SimulatedTransport:
 
 class LocalTransport:
     """One worker, no process group: every collective's result is the worker's own
-    tensor (an all-gather's is it with a leading dimension of 1). Nothing is sent."""
+    tensor (an all-gather's is it with a leading dimension of 1; an all-to-all's, of
+    leading dimension 1 already, is it). Nothing is sent."""
 
     world_size = 1
     #: This worker's rank: 0, the only one.
@@ -260,6 +282,11 @@ class TorchTransport:
             src = dist.get_global_rank(self.group, op.src) if self.group is not None else op.src
             work = dist.broadcast(op.tensor, src=src, group=self.group, async_op=True)
             return work.get_future(), lambda: op.tensor
+        if isinstance(op, AllToAll):
+            received = torch.empty_like(op.tensor)
+            work = dist.all_to_all_single(received, op.tensor.contiguous(), group=self.group,
+                                          async_op=True)  # fmt: skip
+            return work.get_future(), lambda: received
         # A flat output is what both the old and the new name of this collective accept.
         flat = op.tensor.new_empty(self.world_size * op.tensor.numel())
         work = self._all_gather(flat, op.tensor, group=self.group, async_op=True)

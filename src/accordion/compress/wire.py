@@ -29,6 +29,12 @@ def allgather_bytes(nbytes_per_worker: float, world_size: int) -> float:
     return float(world_size - 1) * nbytes_per_worker
 
 
+def alltoall_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one worker sends in an all-to-all of ``nbytes`` (``W`` equal rows, one per
+    destination): every row but its own, ``(W - 1) / W * nbytes``."""
+    return (world_size - 1) / world_size * nbytes
+
+
 @dataclass(frozen=True)
 class Message:
     """One tensor's share of one collective per step.
