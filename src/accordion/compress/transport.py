@@ -15,6 +15,12 @@ compressor code run
 An :class:`AllToAll` is the first phase of a two-phase compressed all-reduce
 (``two_phase.py``): each worker sends row ``j`` of its tensor to worker ``j``.
 
+Workers may share hosts: ``local_size`` workers a host, ranks host after host (as
+``torchrun`` numbers them). An all-to-all or an all-gather then has a *scope*
+(:data:`SCOPES`): ``"world"`` (every worker), ``"host"`` (the workers of this one's host,
+by local rank) or ``"peers"`` (the workers of this one's local rank, one a host, by
+host), so that a hierarchical exchange reduces inside a host and compresses across hosts.
+
 A transport is the one source of the world size, this worker's rank and the group
 (``world_size``, ``rank``, ``group``). :func:`open_transport` opens the controller's (on
 a :func:`private_group`), :func:`group_transport` one over a group as it is;
@@ -46,11 +52,17 @@ class AllReduce:
     tensor: torch.Tensor
 
 
+#: The scopes of a collective: every worker, the workers of one host, one worker a host.
+SCOPES = ("world", "host", "peers")
+
+
 @dataclass(frozen=True)
 class AllGather:
-    """Gather ``tensor`` (same shape on every worker). The result is a ``[W, *shape]`` tensor."""
+    """Gather ``tensor`` (same shape on every worker) over ``scope``'s ``S`` workers (see
+    :data:`SCOPES`). The result is a ``[S, *shape]`` tensor."""
 
     tensor: torch.Tensor
+    scope: str = "world"
 
 
 @dataclass(frozen=True)
@@ -64,11 +76,34 @@ class Broadcast:
 
 @dataclass(frozen=True)
 class AllToAll:
-    """Send row ``j`` of ``tensor`` (``[W, ...]``, the same shape on every worker) to
-    worker ``j``. The result is a new ``[W, ...]`` tensor whose row ``i`` is worker ``i``'s
-    row for this worker."""
+    """Send row ``j`` of ``tensor`` (``[S, ...]``, the same shape on every worker) to the
+    ``j``-th worker of ``scope``'s ``S`` (see :data:`SCOPES`). The result is a new ``[S,
+    ...]`` tensor whose row ``i`` is the ``i``-th worker's row for this worker."""
 
     tensor: torch.Tensor
+    scope: str = "world"
+
+
+def scope_members(scope: str, rank: int, world_size: int, local_size: int) -> list[int]:
+    """The ranks of ``rank``'s ``scope`` among ``world_size`` workers, ``local_size`` a
+    host (ranks host after host), in the order a scoped collective's rows follow."""
+    host, local = divmod(rank, local_size)
+    if scope == "host":
+        return list(range(host * local_size, (host + 1) * local_size))
+    if scope == "peers":
+        return list(range(local, world_size, local_size))
+    return list(range(world_size))
+
+
+def check_local_size(local_size: Any, world_size: int) -> int:
+    """``local_size`` (workers a host) if it is an int >= 1 dividing ``world_size``; else
+    ``TypeError`` or ``ValueError``."""
+    if isinstance(local_size, bool) or not isinstance(local_size, int):
+        raise TypeError(f"local_size must be an int, got {local_size!r}")
+    if local_size < 1 or world_size % local_size:
+        raise ValueError(f"local_size must be >= 1 and divide the world size {world_size} "
+                         f"(workers a host, every host alike), got {local_size}")  # fmt: skip
+    return local_size
 
 
 Collective = AllReduce | AllGather | Broadcast | AllToAll
@@ -77,7 +112,8 @@ Exchange = Generator[list[Collective], list[Any], T]
 
 
 def collective_bytes(op: Collective, world_size: int) -> float:
-    """Bytes one worker sends for ``op`` under ring algorithms (see ``accordion.accounting``)."""
+    """Bytes one worker sends for ``op`` under ring algorithms (see ``accordion.accounting``),
+    among ``world_size`` workers (for a scoped collective: its scope's)."""
     nbytes = op.tensor.numel() * op.tensor.element_size()
     if isinstance(op, AllReduce):
         return allreduce_bytes(nbytes, world_size)
@@ -125,10 +161,14 @@ class SimulatedTransport:
     collectives with the same shapes, as real processes must.
     """
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, local_size: int = 1):
         self.world_size = check_world_size(world_size)
+        #: Workers a host (ranks host after host).
+        self.local_size = check_local_size(local_size, self.world_size)
         #: Bytes each worker has sent so far (ring algorithms).
         self.bytes_sent = 0.0
+        #: Of :attr:`bytes_sent`, per scope (:data:`SCOPES`; unscoped collectives: ``"world"``).
+        self.bytes_by_scope = dict.fromkeys(SCOPES, 0.0)
 
     def run(self, exchanges: Sequence[Exchange[T]]) -> list[T]:
         """Run one exchange per worker to completion and return their results."""
@@ -166,15 +206,19 @@ class SimulatedTransport:
         for j in range(count):
             ops = [p[j] for p in phases]
             kind, shape = type(ops[0]), ops[0].tensor.shape
-            if kind is AllToAll and (not shape or shape[0] != self.world_size):
-                raise RuntimeError(f"all-to-all {j} needs a leading dimension of "
-                                   f"{self.world_size}, got {tuple(shape)}")  # fmt: skip
-            if any(type(op) is not kind or op.tensor.shape != shape for op in ops):
+            scope = getattr(ops[0], "scope", "world")
+            if any(type(op) is not kind or op.tensor.shape != shape
+                   or getattr(op, "scope", "world") != scope for op in ops):  # fmt: skip
                 raise RuntimeError(
                     f"workers disagree on collective {j}: "
                     f"{[(type(op).__name__, tuple(op.tensor.shape)) for op in ops]}"
                 )
-            self.bytes_sent += collective_bytes(ops[0], self.world_size)
+            if kind in (AllToAll, AllGather):
+                self._scoped(ops, scope, replies, j)
+                continue
+            sent = collective_bytes(ops[0], self.world_size)
+            self.bytes_sent += sent
+            self.bytes_by_scope["world"] += sent
             if kind is AllReduce:
                 total = torch.stack([op.tensor for op in ops]).sum(dim=0)
                 for w, op in enumerate(ops):
@@ -188,15 +232,28 @@ class SimulatedTransport:
                 for w, op in enumerate(ops):
                     op.tensor.copy_(source)
                     replies[w].append(op.tensor)
-            elif kind is AllToAll:
-                sent = torch.stack([op.tensor for op in ops])  # [from, to, ...]
-                for w in range(self.world_size):
-                    replies[w].append(sent[:, w].clone())
-            else:
-                gathered = torch.stack([op.tensor for op in ops])
-                for w in range(self.world_size):
-                    replies[w].append(gathered.clone())
         return replies
+
+    def _scoped(self, ops: Sequence[Collective], scope: str, replies: list[list[Any]],
+                j: int) -> None:  # fmt: skip
+        """Run all-to-all or all-gather ``j`` (``ops``, one a worker) within each of
+        ``scope``'s groups of workers, appending each worker's result to ``replies``."""
+        done: set[int] = set()
+        for rank in range(self.world_size):
+            if rank in done:
+                continue
+            members = scope_members(scope, rank, self.world_size, self.local_size)
+            done.update(members)
+            sent = torch.stack([ops[m].tensor for m in members])
+            if isinstance(ops[0], AllToAll) and sent.shape[1:2] != (len(members),):
+                raise RuntimeError(f"all-to-all {j} needs a leading dimension of "
+                                   f"{len(members)}, got {tuple(ops[0].tensor.shape)}")  # fmt: skip
+            for i, m in enumerate(members):
+                replies[m].append(sent[:, i].clone() if isinstance(ops[0], AllToAll)
+                                  else sent.clone())  # fmt: skip
+        nbytes = collective_bytes(ops[0], len(members))
+        self.bytes_sent += nbytes
+        self.bytes_by_scope[scope] += nbytes
 
 
 class LocalTransport:
@@ -205,6 +262,8 @@ class LocalTransport:
     leading dimension 1 already, is it). Nothing is sent."""
 
     world_size = 1
+    #: One worker on one host.
+    local_size = 1
     #: This worker's rank: 0, the only one.
     rank = 0
     #: Always 0: a single worker sends nothing.
@@ -237,9 +296,14 @@ class LocalTransport:
 
 
 class TorchTransport:
-    """Runs exchanges over a real ``torch.distributed`` process group (gloo or NCCL)."""
+    """Runs exchanges over a real ``torch.distributed`` process group (gloo or NCCL).
 
-    def __init__(self, group: Any = None):
+    With ``local_size`` > 1 (workers a host, ranks of ``group`` host after host) it also
+    creates the groups of every host and of every local rank, for scoped collectives
+    (:data:`SCOPES`); creating it is then collective over ``group``'s ranks.
+    """
+
+    def __init__(self, group: Any = None, local_size: int = 1):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchTransport needs an initialised default process group: "
@@ -251,8 +315,15 @@ class TorchTransport:
         self.world_size = dist.get_world_size(group)
         #: This process's rank in ``group``.
         self.rank = dist.get_rank(group)
+        #: Workers a host (ranks host after host).
+        self.local_size = check_local_size(local_size, self.world_size)
+        self._scopes = {"world": group}
+        if self.local_size > 1:
+            self._scopes.update(_scope_groups(group, self.rank, self.world_size, self.local_size))
         #: Bytes this worker has sent so far (ring algorithms).
         self.bytes_sent = 0.0
+        #: Of :attr:`bytes_sent`, per scope (:data:`SCOPES`; unscoped collectives: ``"world"``).
+        self.bytes_by_scope = dict.fromkeys(SCOPES, 0.0)
         self._lock = threading.Lock()
         self._queue: deque[tuple[Exchange[Any], torch.futures.Future]] = deque()
         self._busy = False
@@ -274,7 +345,15 @@ class TorchTransport:
         dist.barrier(group=self.group)
 
     def _issue(self, op: Collective) -> tuple[torch.futures.Future, Callable[[], Any]]:
-        self.bytes_sent += collective_bytes(op, self.world_size)
+        scope = getattr(op, "scope", "world")  # all-reduces and broadcasts span the world
+        group = self._scopes.get(scope)
+        if scope not in SCOPES or (group is None and scope != "world"):
+            raise ValueError(f"scope must be one of {SCOPES} ('host' and 'peers' with "
+                             f"local_size > 1), got {scope!r}")  # fmt: skip
+        members = len(scope_members(scope, self.rank, self.world_size, self.local_size))
+        sent = collective_bytes(op, members)
+        self.bytes_sent += sent
+        self.bytes_by_scope[scope] += sent
         if isinstance(op, AllReduce):
             work = dist.all_reduce(op.tensor, group=self.group, async_op=True)
             return work.get_future(), lambda: op.tensor
@@ -284,13 +363,13 @@ class TorchTransport:
             return work.get_future(), lambda: op.tensor
         if isinstance(op, AllToAll):
             received = torch.empty_like(op.tensor)
-            work = dist.all_to_all_single(received, op.tensor.contiguous(), group=self.group,
+            work = dist.all_to_all_single(received, op.tensor.contiguous(), group=group,
                                           async_op=True)  # fmt: skip
             return work.get_future(), lambda: received
         # A flat output is what both the old and the new name of this collective accept.
-        flat = op.tensor.new_empty(self.world_size * op.tensor.numel())
-        work = self._all_gather(flat, op.tensor, group=self.group, async_op=True)
-        return work.get_future(), lambda: flat.view(self.world_size, *op.tensor.shape)
+        flat = op.tensor.new_empty(members * op.tensor.numel())
+        work = self._all_gather(flat, op.tensor, group=group, async_op=True)
+        return work.get_future(), lambda: flat.view(members, *op.tensor.shape)
 
     def _issue_phase(self, phase: list[Collective]) -> tuple[list[torch.futures.Future], Callable]:
         """Issue a phase's collectives; all-reduces of one dtype and device share one call.
@@ -426,6 +505,19 @@ class TorchTransport:
         return error
 
 
+def _scope_groups(group: Any, rank: int, world_size: int, local_size: int) -> dict[str, Any]:
+    """This rank's ``"host"`` and ``"peers"`` groups within ``group``, with ``group``'s
+    timeout. Each is created by its members alone (``use_local_synchronization``): the
+    hosts create theirs side by side, which a ``new_group`` over every rank would pair
+    wrongly."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    timeout = group_timeout(group)
+    return {scope: dist.new_group(
+                ranks=[ranks[r] for r in scope_members(scope, rank, world_size, local_size)],
+                timeout=timeout, use_local_synchronization=True)
+            for scope in ("host", "peers")}  # fmt: skip
+
+
 class CollectiveError(RuntimeError):
     """A collective of an exchange failed (see :meth:`TorchTransport.run`); the message
     names the phase and the rank, ``__cause__`` is the backend's error."""
@@ -515,11 +607,12 @@ def group_transport(process_group: Any = None) -> TorchTransport | LocalTranspor
 
 
 def open_transport(
-    process_group: Any = None, timeout: timedelta | None = None
+    process_group: Any = None, timeout: timedelta | None = None, local_size: int = 1
 ) -> TorchTransport | LocalTransport:
     """Accordion's transport over the ranks of ``process_group``: a :class:`TorchTransport`
-    on a :func:`private_group` of them (collective: every rank must get here at the same
-    point), or a :class:`LocalTransport` when no process group is initialised."""
+    on a :func:`private_group` of them, ``local_size`` workers a host (collective: every
+    rank must get here at the same point), or a :class:`LocalTransport` when no process
+    group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return LocalTransport()
     # A private copy of the group: the hook's phases are issued from completion
@@ -527,7 +620,7 @@ def open_transport(
     # DDP (e.g. find_unused_parameters) or the loop issue. It inherits the group's
     # timeout (or ``timeout``), so that a rank that disagrees raises after it instead of
     # blocking for 30 minutes.
-    return TorchTransport(private_group(process_group, timeout))
+    return TorchTransport(private_group(process_group, timeout), local_size)
 
 
 def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:

@@ -111,6 +111,8 @@ class TwoPhaseResult:
 
     ``average``: the buffer's average over the workers (``numel`` elements, the same on
     every rank); ``server_error``: this owner's new server error (one chunk);
+    ``shard_error``: with hosts of several workers, the new worker error of this worker's
+    shard of its host's average (``W / local_size`` chunks), else ``None``;
     ``variance``: per element, the expected square of the average's error times ``W**2``
     (the workers' summed residual variance, the unit of
     :meth:`~accordion.compress.Compressor.residual_variance`), or ``None`` when not asked.
@@ -118,60 +120,96 @@ class TwoPhaseResult:
 
     average: torch.Tensor
     server_error: torch.Tensor
+    shard_error: torch.Tensor | None
     variance: torch.Tensor | None
 
 
 def two_phase_exchange(codec: type[BlockCodec], tensors: Sequence[torch.Tensor], bits: int,
                        world_size: int, server_error: torch.Tensor | None = None,
-                       second_bits: int | None = None,
-                       variance: bool = False) -> Exchange[TwoPhaseResult]:  # fmt: skip
+                       second_bits: int | None = None, variance: bool = False,
+                       local_size: int = 1,
+                       shard_error: torch.Tensor | None = None) -> Exchange[TwoPhaseResult]:  # fmt: skip
     """Average ``tensors`` (this worker's compensated values, one dtype and device), laid
-    end to end, over ``world_size`` workers in two phases (see the module); each tensor
-    becomes its residual (the worker error), in place. ``server_error`` (one chunk, or
-    ``None`` for zeros) is this owner's from the last exchange of the same layout. With
-    ``variance``, the owner also sends, per block, the root mean square of the ``W``
-    first-phase scales (one more scale per block), and the result has the variance."""
+    end to end, over ``world_size`` workers in two phases (see the module).
+
+    With ``local_size`` 1, each tensor becomes its residual (the worker error), in place.
+    With ``local_size`` > 1 workers a host (ranks host after host), the hosts' workers
+    first average the buffer in full precision, each its ``1 / local_size`` shard (an
+    all-to-all inside the host); the shards are compressed across hosts, the two phases
+    running among the workers of one local rank; the results are all-gathered inside the
+    host, still compressed. Only the cross-host phases are compressed; the worker error
+    is then the shard's (``shard_error`` in, the result's out) and the tensors become 0.
+
+    ``server_error`` (one chunk, or ``None`` for zeros) is this owner's from the last
+    exchange of the same layout. With ``variance``, the owner also sends, per block, the
+    root mean square of the first-phase scales (one more scale per block), and the result
+    has the variance."""
     world_size = check_world_size(world_size)
     second = bits if second_bits is None else second_bits
     n = sum(t.numel() for t in tensors)
     dtype = torch.promote_types(tensors[0].dtype, torch.float32) if tensors else torch.float32
     device = tensors[0].device if tensors else None
     chunk = ChunkLayout(n, world_size, codec.block).chunk
+    hosts = world_size // local_size
     if not n:  # alike on every rank: nothing to send
         empty = torch.zeros(0, dtype=dtype, device=device)
-        return TwoPhaseResult(empty, empty, None)
-    if server_error is not None and server_error.shape != (chunk,):
-        raise ValueError(f"server_error must have {chunk} elements for {n} elements on "
-                         f"{world_size} workers, got {tuple(server_error.shape)}")  # fmt: skip
+        return TwoPhaseResult(empty, empty, None, None)
+    _check_error("server_error", server_error, (chunk,), n, world_size)
+    _check_error("shard_error", shard_error, (hosts * chunk,), n, world_size)
     buffer = torch.zeros(world_size * chunk, dtype=dtype, device=device)
     torch.cat([t.reshape(-1) for t in tensors], out=buffer[:n])
-    packed, scales = codec.encode(buffer.view(world_size, chunk), bits)  # buffer: residual
+    if local_size > 1:  # a full-precision reduce-scatter inside the host
+        (received,) = yield [AllToAll(buffer.view(local_size, hosts * chunk), scope="host")]
+        work = _mean_of_rows(received)
+        if shard_error is not None:
+            work.add_(shard_error)
+    else:
+        work = buffer
+    packed, scales = codec.encode(work.view(hosts, chunk), bits)  # work: its residual
     offset = 0
-    for t in tensors:
-        t.copy_(buffer[offset : offset + t.numel()].view(t.shape))
+    for t in tensors:  # the residual, or 0 where the shard keeps it
+        t.copy_(buffer[offset : offset + t.numel()].view(t.shape) if local_size == 1 else 0)
         offset += t.numel()
-    (received,) = yield [AllToAll(_payload(world_size, packed, scales))]
+    scope = "peers" if local_size > 1 else "world"
+    (received,) = yield [AllToAll(_payload(hosts, packed, scales), scope=scope)]
     first_scales = _scales(codec, received, chunk, bits)
     own = codec.decode(received[:, : -(-chunk * bits // 8)], first_scales, (chunk,), bits, dtype)
-    total = own[0].clone()
-    for w in range(1, world_size):  # a fixed order of additions: bitwise reproducible
-        total.add_(own[w])
-    total.div_(world_size)
+    total = _mean_of_rows(own)
     if server_error is not None:
         total.add_(server_error)
     packed, scales = codec.encode(total.view(1, chunk), second)  # total: the server error
     extra = []
-    if variance:  # one value per block: the RMS of the W first scales, < fp16's max
+    if variance:  # one value per block: the RMS of the first scales, < fp16's max
         rms = first_scales.to(dtype).square().mean(0).sqrt_()
         extra.append(rms.to(codec.scale_dtype).view(torch.uint8))
-    (gathered,) = yield [AllGather(torch.cat([_payload(1, packed, scales)[0], *extra]))]
+    (gathered,) = yield [AllGather(torch.cat([_payload(1, packed, scales)[0], *extra]), scope)]
+    if local_size > 1:  # every shard of the host, as sent: [local, hosts, bytes]
+        (gathered,) = yield [AllGather(gathered, scope="host")]
+        gathered = gathered.reshape(world_size, -1)
     second_scales = _scales(codec, gathered, chunk, second)
     average = codec.decode(gathered[:, : -(-chunk * second // 8)], second_scales, (chunk,),
                            second, dtype).reshape(-1)[:n]  # fmt: skip
     noise = None
     if variance:
-        noise = _variance(codec, gathered, second_scales, bits, second, world_size)[:n]
-    return TwoPhaseResult(average, total, noise)
+        weight = codec.error_factor(bits) * world_size**2 / hosts  # the W**2 unit, per peer
+        noise = _variance(codec, gathered, second_scales, weight, second, world_size)[:n]
+    return TwoPhaseResult(average, total, work if local_size > 1 else None, noise)
+
+
+def _check_error(name: str, error: torch.Tensor | None, shape: tuple[int, ...], n: int,
+                 world_size: int) -> None:  # fmt: skip
+    if error is not None and error.shape != shape:
+        raise ValueError(f"{name} must have {shape[0]} elements for {n} elements on "
+                         f"{world_size} workers, got {tuple(error.shape)}")  # fmt: skip
+
+
+def _mean_of_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The mean of ``rows`` (``[R, n]``), added row 0 first: a fixed order of additions,
+    bitwise the same on every rank."""
+    total = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        total.add_(rows[r])
+    return total.div_(rows.shape[0])
 
 
 def _payload(rows: int, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -187,16 +225,15 @@ def _scales(codec: type[BlockCodec], payload: torch.Tensor, chunk: int, bits: in
 
 
 def _variance(codec: type[BlockCodec], gathered: torch.Tensor, second_scales: torch.Tensor,
-              bits: int, second: int, world_size: int) -> torch.Tensor:  # fmt: skip
+              first_weight: float, second: int, world_size: int) -> torch.Tensor:  # fmt: skip
     """Per element of the padded buffer, ``W**2`` times the expected squared error of the
-    average: the first phase's ``f_b * sum_w s_w**2`` (from the owners' RMS of the
-    scales) and the second's ``W**2 f_b' s'**2``."""
+    average: the first phase's ``first_weight * rms**2`` (``rms``: the owners' RMS of the
+    first scales; for ``P`` peers ``f_b W**2 / P``) and the second's ``W**2 f_b' s'**2``."""
     count = second_scales.shape[1]
     width = second_scales.element_size()
     rms = gathered[:, -width * count :].contiguous().view(codec.scale_dtype).float()
-    first = codec.error_factor(bits) * world_size * rms.square()
     after = codec.error_factor(second) * world_size**2 * second_scales.float().square()
-    return (first + after).reshape(-1).repeat_interleave(codec.block)
+    return (first_weight * rms.square() + after).reshape(-1).repeat_interleave(codec.block)
 
 
 #: A two-phase call's layout: its keys, their element counts, and the world size.
@@ -288,3 +325,21 @@ class ServerErrors:
                 if key not in shapes or math.prod(shapes[key]) != n:
                     raise ValueError(f"a server error is for {key!r} of {n} elements, not a "
                                      f"tensor's: {shapes.get(key)}")  # fmt: skip
+
+
+def hierarchical_bytes(numel: int, bits: int, world_size: int, local_size: int, block: int,
+                       scale_bytes: int = 2, element_size: int = 4) -> tuple[float, float]:  # fmt: skip
+    """``(inside its host, across hosts)``: the bytes one worker sends to average ``numel``
+    elements of ``element_size`` bytes through :func:`two_phase_exchange` with
+    ``local_size`` workers a host: the full-precision all-to-all and the compressed
+    all-gather inside the host; the two compressed phases among the hosts."""
+    world_size = check_world_size(world_size)
+    layout = ChunkLayout(numel, world_size, block)
+    if not numel or world_size == 1:
+        return 0.0, 0.0
+    hosts = world_size // local_size
+    packed = layout.chunk_bytes(bits, scale_bytes)
+    inside = (alltoall_bytes(world_size * layout.chunk * element_size, local_size)
+              + allgather_bytes(hosts * packed, local_size))  # fmt: skip
+    across = alltoall_bytes(hosts * packed, hosts) + allgather_bytes(packed, hosts)
+    return inside, across
