@@ -6,6 +6,8 @@ without root, namespaces or processes.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from accordion.cluster import ClusterError, EmulatedCluster
@@ -137,3 +139,18 @@ def test_a_hosts_torchrun_node_runs_in_its_namespace_with_the_rendezvous_at_host
     assert command[-3:] == ["-m", "accordion", "plan"]
     with pytest.raises(ValueError, match="host must be from 0 to 1, got 2"):
         cluster.torchrun_command(2, "accordion")
+
+
+def test_workers_per_host_start_that_many_processes_a_host_sharing_the_cores() -> None:
+    cluster = EmulatedCluster(2, "100mbit", name="xyz", workers_per_host=2)
+    command = cluster.torchrun_command(0, "accordion", ["plan"])
+    assert "--nproc-per-node=2" in command and "--nnodes=2" in command
+    environment = cluster.environment({})
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert environment["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
+
+
+@pytest.mark.parametrize("workers", [0, -1])
+def test_workers_per_host_below_1_is_a_value_error_naming_it(workers) -> None:
+    with pytest.raises(ValueError, match="workers_per_host"):
+        EmulatedCluster(2, "100mbit", workers_per_host=workers)

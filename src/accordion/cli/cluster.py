@@ -33,14 +33,16 @@ def _cluster_inputs(args: argparse.Namespace) -> tuple[EmulatedCluster, list[str
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"argument --timeout: must be > 0 seconds, got {args.timeout}")
     try:
-        cluster = EmulatedCluster(args.hosts, args.bandwidth, args.delay)
+        cluster = EmulatedCluster(args.hosts, args.bandwidth, args.delay,
+                                  workers_per_host=args.workers_per_host)  # fmt: skip
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     if command[:1] in (["train"], ["compare"]) and not any(
         a == "--threads" or a.startswith("--threads=") for a in command
     ):
         # every host defaults to all the cores: share them instead
-        command += ["--threads", str(max(1, (os.cpu_count() or 1) // args.hosts))]
+        workers = args.hosts * args.workers_per_host
+        command += ["--threads", str(max(1, (os.cpu_count() or 1) // workers))]
     return cluster, command
 
 
@@ -120,6 +122,8 @@ def _add_cluster(sub: Any) -> None:
     )
     add = cluster.add_argument
     add("--hosts", type=int, default=2, help="emulated hosts (default %(default)s)")
+    add("--workers-per-host", type=int, default=1,
+        help="processes a host runs, sharing its link (default %(default)s)")
     add("--bandwidth", default=None, help="each host's link rate, e.g. 100mbit")
     add("--delay", default="0", help="one-way host-to-host latency, e.g. 1ms (default 0)")
     add("--timeout", type=float, default=None, help="seconds before all hosts are killed "

@@ -71,13 +71,15 @@ class EmulatedCluster:
     context builds the cluster (:class:`ClusterError` when that is impossible here) and
     leaving it tears everything down, also on exceptions, Ctrl-C and SIGTERM.
     ``network`` (an :class:`EmulatedNetwork`) and ``runner`` (a :class:`TorchrunRunner`
-    on it) are the two parts; the names below are theirs.
+    on it, ``workers_per_host`` processes a host) are the two parts; the names below are
+    theirs.
     """
 
-    def __init__(self, hosts: int, bandwidth: str, delay: str = "0", **network: Any) -> None:
+    def __init__(self, hosts: int, bandwidth: str, delay: str = "0", *,
+                 workers_per_host: int = 1, **network: Any) -> None:  # fmt: skip
         # the network's own signature checks the rest (name, subnet)
         self.network = EmulatedNetwork(hosts, bandwidth, delay, **network)
-        self.runner = TorchrunRunner(self.network)
+        self.runner = TorchrunRunner(self.network, workers_per_host)
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self._atexit_registered = False

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from .._validate import check_int
 from .namespaces import ClusterError, find_tool, kill_namespaces
 from .network import EmulatedNetwork
 
@@ -112,21 +113,24 @@ class TorchrunRunner:
     the network down kills and reaps them (:meth:`EmulatedNetwork.close` takes them).
     """
 
-    def __init__(self, network: EmulatedNetwork) -> None:
+    def __init__(self, network: EmulatedNetwork, workers_per_host: int = 1) -> None:
         self.network = network
+        #: Processes a host runs (torchrun's ``--nproc-per-node``): they share its link,
+        #: and talk to each other without crossing it.
+        self.workers_per_host = check_int("workers_per_host", workers_per_host, 1)
         self.processes: list[subprocess.Popen] = []
         self._runs = 0
 
     def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment of the processes :meth:`run` starts: this process's, then ``env``,
-        with ``GLOO_SOCKET_IFNAME=eth0``, ``OMP_NUM_THREADS`` = cores // hosts (at least
+        with ``GLOO_SOCKET_IFNAME=eth0``, ``OMP_NUM_THREADS`` = cores // workers (at least
         1) unless set, ``CUDA_VISIBLE_DEVICES`` empty unless set (NCCL would bypass the
         emulated links between processes of one machine) and this ``accordion``'s source
         directory first on ``PYTHONPATH``."""
         result = {**os.environ, **(env or {})}
         result["GLOO_SOCKET_IFNAME"] = "eth0"
-        hosts = self.network.hosts
-        result.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // hosts)))
+        workers = self.network.hosts * self.workers_per_host
+        result.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         result.setdefault("CUDA_VISIBLE_DEVICES", "")
         source = str(Path(__file__).resolve().parents[2])
         paths = [p for p in result.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -147,7 +151,8 @@ class TorchrunRunner:
             network.ip or find_tool("ip") or "ip", "netns", "exec",
             network.host_namespaces[host],
             python or sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={network.hosts}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--nnodes={network.hosts}", f"--nproc-per-node={self.workers_per_host}",
+            "--rdzv-backend=c10d",
             f"--rdzv-endpoint={addresses[0]}:{port}", f"--rdzv-id={run_id}",
             # torchrun guesses whether it hosts the rendezvous from the hostname, which
             # every namespace shares: say it, and which address to advertise

@@ -124,11 +124,17 @@ class TwoPhaseResult:
     variance: torch.Tensor | None
 
 
-def two_phase_exchange(codec: type[BlockCodec], tensors: Sequence[torch.Tensor], bits: int,
-                       world_size: int, server_error: torch.Tensor | None = None,
-                       second_bits: int | None = None, variance: bool = False,
-                       local_size: int = 1,
-                       shard_error: torch.Tensor | None = None) -> Exchange[TwoPhaseResult]:  # fmt: skip
+def two_phase_exchange(
+    codec: type[BlockCodec],
+    tensors: Sequence[torch.Tensor],
+    bits: int,
+    world_size: int,
+    server_error: torch.Tensor | None = None,
+    second_bits: int | None = None,
+    variance: bool = False,
+    local_size: int = 1,
+    shard_error: torch.Tensor | None = None,
+) -> Exchange[TwoPhaseResult]:
     """Average ``tensors`` (this worker's compensated values, one dtype and device), laid
     end to end, over ``world_size`` workers in two phases (see the module).
 
@@ -327,8 +333,10 @@ class ServerErrors:
                                      f"tensor's: {shapes.get(key)}")  # fmt: skip
 
 
-def hierarchical_bytes(numel: int, bits: int, world_size: int, local_size: int, block: int,
-                       scale_bytes: int = 2, element_size: int = 4) -> tuple[float, float]:  # fmt: skip
+def hierarchical_bytes(
+    numel: int, bits: int, world_size: int, local_size: int, block: int,
+    scale_bytes: int = 2, element_size: int = 4,
+) -> tuple[float, float]:  # fmt: skip
     """``(inside its host, across hosts)``: the bytes one worker sends to average ``numel``
     elements of ``element_size`` bytes through :func:`two_phase_exchange` with
     ``local_size`` workers a host: the full-precision all-to-all and the compressed
