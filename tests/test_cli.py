@@ -25,8 +25,11 @@ LEVEL_KEYS = {
     "floats_total",
     "bytes_per_step",
     "compression_ratio",
+    "bytes_vs_dense",
     "comm_time_per_step_s",
 }
+#: The paper's compressor and ranks, which the plan's tests of the paper's figures name.
+POWERSGD = ("--compressor", "powersgd")
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -50,7 +53,7 @@ def plan_help() -> str:
 
 
 def test_plan_json_lists_dense_rank2_rank1_with_paper_floats(capsys) -> None:
-    result = run_json(capsys)
+    result = run_json(capsys, *POWERSGD)
     levels = result["levels"]
     assert [entry["label"] for entry in levels] == ["dense", "rank 2", "rank 1"]
     assert [entry["level"] for entry in levels] == [None, 2, 1]
@@ -72,10 +75,10 @@ def test_plan_json_prints_exactly_one_object_with_the_run_settings(capsys) -> No
         "num_classes": 10,
         "parameters": 11_173_962,
         "tensors": 62,
-        "compressed_tensors": 21,
+        "compressed_tensors": 62,  # the integer quantiser takes every tensor
         "workers": 4,
         "steps": 29_400,
-        "compressor": "powersgd",
+        "compressor": "mixed",
         "bandwidth_bytes_per_s": 1.25e9,
         "latency_s": pytest.approx(5e-5, rel=1e-12),
     }
@@ -124,7 +127,7 @@ def test_plan_json_has_no_layers_without_the_flag(capsys) -> None:
 
 
 def test_plan_json_honours_num_classes_workers_and_steps(capsys) -> None:
-    result = run_json(capsys, "--num-classes", "100", "--workers", "8", "--steps", "10")
+    result = run_json(capsys, *POWERSGD, "--num-classes", "100", "--workers", "8", "--steps", "10")
     # CIFAR-100 ResNet-18 at rank 2: linear [100, 512] adds 2 * 90 and its bias 90 floats
     assert result["levels"][1]["floats_per_step"] == 82_530
     assert result["levels"][1]["floats_total"] == 825_300
@@ -136,7 +139,7 @@ def test_plan_json_honours_num_classes_workers_and_steps(capsys) -> None:
 
 
 def test_plan_table_shows_the_three_rows_and_paper_rank1_figure(capsys) -> None:
-    assert main(["plan", "--steps", "29400"]) == 0
+    assert main(["plan", *POWERSGD, "--steps", "29400"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
     assert {"dense", "rank 2", "rank 1"} <= set(rows)
@@ -252,7 +255,7 @@ def test_parse_levels_rejects_unknown_compressor_naming_the_allowed_ones() -> No
 def test_python_dash_m_accordion_plan_json_succeeds_in_a_subprocess() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(
-        [sys.executable, "-m", "accordion", "plan", "--json"],
+        [sys.executable, "-m", "accordion", "plan", "--json", *POWERSGD],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -14,6 +14,7 @@ import pytest
 
 import accordion
 from accordion.compress import (
+    COLLECTIVES,
     RANK_CHANGE_POLICIES,
     SHARED_OPTIONS,
     Compressor,
@@ -151,7 +152,8 @@ def test_build_checks_the_level_and_the_options_values_its_compressor_uses() -> 
 
 
 def test_shared_options_and_their_values_need_no_compressor_name() -> None:
-    assert SHARED_OPTIONS == ("seed", "on_rank_change")
+    assert SHARED_OPTIONS == ("seed", "on_rank_change", "collective")
+    assert COLLECTIVES == ("auto", "all_gather", "two_phase")
     assert RANK_CHANGE_POLICIES == PowerSGD.RANK_CHANGE_POLICIES == ("redraw", "reuse")
 
 
@@ -172,8 +174,8 @@ def test_make_compressor_goes_through_build(monkeypatch) -> None:
 # -------------------------------------------------------------------------- break-even
 
 
-# top-k and the integer quantiser all-gather, so their bytes grow with the workers
-@pytest.mark.parametrize("name", [n for n in compressor_names() if n not in ("topk", "int", "nq")])
+# top-k all-gathers, so its bytes grow with the workers; the quantisers' two phases do not
+@pytest.mark.parametrize("name", [n for n in compressor_names() if n != "topk"])
 def test_a_compressor_without_a_break_even_describes_none(name: str) -> None:
     assert compressor_class(name).break_even([(1000, 512)], 8) is None
     assert break_even([(1000, 512)], name, 8) is None

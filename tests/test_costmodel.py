@@ -293,6 +293,7 @@ def test_plan_as_dict_is_plain_and_json_ready(resnet18_plan) -> None:
         "floats_total": 1_350_489_000,
         "bytes_per_step": resnet18_plan[2].bytes_per_step,
         "compression_ratio": resnet18_plan[2].compression_ratio,
+        "bytes_vs_dense": resnet18_plan[2].bytes_per_step / resnet18_plan[0].bytes_per_step,
         "comm_time_per_step_s": resnet18_plan[2].comm_time_per_step_s,
     }
 

@@ -16,11 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from accordion.compress import Compressor, compressor_names
+from accordion.compress import Compressor, compressor_class, compressor_names
 from accordion.compress import base as compress_base
+from accordion.compress.transport import SimulatedTransport
 from accordion.compress.wire import Message
 from accordion.harness import attach, baselines, compare
 from accordion.harness.build import make_outer_optimizer
+from accordion.harness.loop import set_server_feedback
 from accordion.harness.strategies import FORMATS, parse_strategy, strategy_compressors
 from accordion.harness.train import PRESETS, TrainConfig
 
@@ -521,3 +523,92 @@ def test_a_diloco_run_refuses_a_hidden_state_task():
 
 def test_a_diloco_run_takes_a_checkpoint_dir():
     TrainConfig(strategy="diloco:5", checkpoint_dir="ckpt").validate()
+
+
+# --------------------------------------------------- the integer quantisers' exchange
+
+
+@pytest.mark.parametrize(
+    ("text", "collective"),
+    [
+        ("static:int:8:collective=all_gather", "all_gather"),
+        ("static:nq:2:collective=two_phase", "two_phase"),
+        ("accordion:mixed:int/8,int/4:collective=all_gather", "all_gather"),
+        ("accordion:mixed:int/8,int/4:guarded:collective=auto:every=2", "auto"),
+        ("static:int:4", "auto"),
+    ],
+)
+def test_a_collective_suffix_picks_how_the_integer_payloads_travel(text, collective):
+    assert parse_strategy(text).collective == collective
+
+
+def test_server_error_off_turns_the_server_feedback_off_and_on_is_the_default():
+    off = parse_strategy("static:int:4:collective=two_phase:server-error=off")
+    assert off.server_feedback is False
+    assert parse_strategy("accordion:mixed:int/8,nq/2:server-error=off").server_feedback is False
+    assert parse_strategy("static:int:4").server_feedback is True
+
+
+def test_the_collective_and_server_error_suffixes_reach_a_diloco_sync():
+    strategy = parse_strategy("diloco:10+static:int:4:collective=all_gather:server-error=off")
+    assert (strategy.sync_every, strategy.collective, strategy.server_feedback) == (
+        10, "all_gather", False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("static:int:8:collective=ring", r"'collective=ring' is not a suffix.*all_gather"),
+        ("static:int:8:server-error=maybe", r"'server-error=maybe' is not a suffix"),
+        ("static:int:8:collective=auto:collective=two_phase", "repeats a suffix"),
+        ("static:powersgd:4:collective=two_phase", r"collective= is an option of the integer"),
+        ("accordion:mixed:half/bf16,powersgd/4:server-error=off",
+         r"compressor must be one of int, nq"),
+        ("torch-powersgd:4:collective=all_gather", "strategy must have one of the forms"),
+    ],
+)
+def test_a_collective_or_server_error_suffix_that_cannot_apply_is_a_value_error(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_strategy(text)
+
+
+def test_the_formats_list_the_collective_and_server_error_suffixes():
+    assert any("collective=auto|all_gather|two_phase" in form for form in FORMATS)
+    assert any("server-error=off" in form for form in FORMATS)
+
+
+def test_make_state_hands_the_collective_to_the_state_and_its_quantisers():
+    text = "accordion:mixed:int/8,int/4:collective=all_gather"
+    state = attach.make_state(TrainConfig(strategy=text), parse_strategy(text),
+                              nn.Linear(2, 2), "epoch")  # fmt: skip
+    assert state.collective == "all_gather"
+    assert state.config()["collective"] == "all_gather"
+    assert state.compressor.part("int").collective == "all_gather"
+
+
+def test_set_server_feedback_turns_it_off_on_every_integer_part_of_a_mixed_ladder():
+    text = "accordion:mixed:int/8,nq/2:server-error=off"
+    strategy = parse_strategy(text)
+    state = attach.make_state(TrainConfig(strategy=text), strategy, nn.Linear(2, 2), "epoch")
+    set_server_feedback(state, strategy)
+    assert state.compressor.part("int").server_feedback is False
+    assert state.compressor.part("nq").server_feedback is False
+
+
+def test_set_server_feedback_leaves_a_state_without_the_suffix_as_it_is():
+    text = "static:int:4"
+    strategy = parse_strategy(text)
+    state = attach.make_state(TrainConfig(strategy=text), strategy, nn.Linear(2, 2), "epoch")
+    set_server_feedback(state, strategy)
+    assert state.compressor.server_feedback is True
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_server_feedback_off_keeps_no_server_error_between_two_phase_exchanges(feedback):
+    workers = [compressor_class("int").build(8, collective="two_phase") for _ in range(4)]
+    for quantiser in workers:
+        quantiser.server_feedback = feedback
+    grads = [torch.randn(256, generator=torch.Generator().manual_seed(w)) for w in range(4)]
+    SimulatedTransport(4).run([q.exchange(["w"], [g], 4) for q, g in zip(workers, grads)])
+    kept = [len(q.state_dict()["server_error"]) for q in workers]
+    assert kept == ([1] * 4 if feedback else [0] * 4)

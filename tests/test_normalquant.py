@@ -1,6 +1,6 @@
 """RMS-scaled quantisation (``nq``): levels, the bit packing, the Gaussian grid, simulated
-and real workers' averages, error feedback, the bytes, the break-even, strategies and a
-ladder across compressors."""
+and real workers' averages, error feedback, the bytes, strategies and a ladder across
+compressors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from accordion.accounting import wire_bytes
 from accordion.compress import (
     ErrorFeedback,
-    IntQuantizer,
     Mixed,
     NormalQuantizer,
     Reducer,
@@ -133,23 +132,32 @@ def test_zeros_send_zeros_and_no_nan():
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("shape", [(5, 200), (100,), (), (6, 4, 3, 3), (0,)])
-def test_the_average_is_the_mean_of_what_each_worker_sends_on_every_worker(bits, shape):
+def test_the_all_gathered_average_is_the_mean_of_what_each_worker_sends(bits, shape):
     gen = torch.Generator().manual_seed(bits)
     tensors = [[torch.randn(shape, generator=gen)] for _ in range(3)]
-    results, world = exchange([NormalQuantizer(bits) for _ in range(3)], tensors)
+    quantizers = [NormalQuantizer(bits, collective="all_gather") for _ in range(3)]
+    results, world = exchange(quantizers, tensors)
     expected = sum(decoded(t[0], bits) for t in tensors) / 3
     for (average, residual), t in zip((r[0] for r in results), tensors):
         torch.testing.assert_close(average, expected, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(residual + decoded(t[0], bits), t[0], rtol=1e-6, atol=1e-6)
     assert torch.equal(results[0][0][0], results[2][0][0])
-    assert world.bytes_sent == wire_bytes(shape, "nq", bits, 3, 4)
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_the_bytes_are_packed_codes_and_two_per_scale(bits):
-    values, scales = NormalQuantizer.messages((10, 100), bits, 4)
-    assert (values.op, values.nbytes) == ("allgather", math.ceil(1000 * bits / 8))
-    assert (scales.op, scales.nbytes) == ("allgather", 2 * block_count((10, 100)))
+def test_the_bytes_are_packed_codes_and_two_per_scale_in_two_phases(bits):
+    (message,) = NormalQuantizer.messages((10, 100), bits, 4)
+    assert message.op == "twophase"
+    assert message.nbytes == math.ceil(1000 * bits / 8) + 2 * block_count((10, 100))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_bytes_sent_by_3_workers_are_what_the_accounting_says(bits):
+    shape = (6, 64)  # 384 = 3 workers * 2 blocks of 64: no chunk padding
+    gen = torch.Generator().manual_seed(bits)
+    tensors = [[torch.randn(shape, generator=gen)] for _ in range(3)]
+    _, world = exchange([NormalQuantizer(bits) for _ in range(3)], tensors)
+    assert world.bytes_sent == wire_bytes(shape, "nq", bits, 3, 4)
 
 
 def test_with_error_feedback_the_running_mean_of_one_bit_converges_to_the_true_mean():
@@ -165,15 +173,13 @@ def test_with_error_feedback_the_running_mean_of_one_bit_converges_to_the_true_m
     assert float((total / 1000 - (truth[0] + truth[1]) / 2).abs().max()) < 0.03
 
 
-def test_the_break_even_covers_the_four_widths_and_is_written_as_nq():
-    described = NormalQuantizer.break_even([(1000, 512)], 8)
-    assert described.bits == BITS
-    assert described.max_workers[2] == pytest.approx(IntQuantizer.break_even(
-        [(1000, 512)], 8).max_workers[2])  # fmt: skip
-    entry = {**described.as_dict(), "bytes_vs_dense": [0.1, 0.05]}
-    text = NormalQuantizer.break_even_text(entry, ["nq3", "nq2"])
-    assert text.startswith("RMS-scaled quantisation break-even at 8 workers: nq4 below")
-    assert "nq3 below 19.7 workers, nq2 below 28.4 workers, nq1 below 51.2" in text
+def test_nq2_sends_0_07x_dense_at_every_worker_count_from_2_to_1024():
+    shape = (4096, 1024)
+    for workers in (2, 3, 8, 64, 512, 1024):
+        ratio = wire_bytes(shape, "nq", 2, workers, 4) / wire_bytes(shape, "dense", None,
+                                                                    workers, 4)  # fmt: skip
+        assert ratio == pytest.approx((2 / 8 + 2 / 64) / 4, rel=1e-12)
+    assert NormalQuantizer.break_even([(1000, 512)], 8) is None
 
 
 # --- ladders across compressors and strategies -----------------------------------------------

@@ -129,7 +129,7 @@ def test_plan_prints_the_topk_break_even_and_each_levels_bytes_against_dense(cap
 
 
 def test_plan_prints_no_break_even_for_powersgd(capsys) -> None:
-    assert "break-even" not in run_text(capsys, "--workers", "8")
+    assert "break-even" not in run_text(capsys, "--compressor", "powersgd", "--workers", "8")
 
 
 def test_plan_json_topk_break_even_has_the_documented_keys(capsys, json_epilog: str) -> None:
@@ -142,7 +142,7 @@ def test_plan_json_topk_break_even_has_the_documented_keys(capsys, json_epilog: 
 
 
 def test_plan_json_has_no_break_even_for_powersgd(capsys) -> None:
-    assert "topk_break_even" not in run_json(capsys, "--workers", "8")
+    assert "topk_break_even" not in run_json(capsys, "--compressor", "powersgd", "--workers", "8")
 
 
 # ---------------------------------------------------------------------------- the models

@@ -1,5 +1,5 @@
 """The integer quantiser: levels, packing, per-block scales, simulated workers' averages,
-error feedback, the bytes on the wire, the break-even, strategies and the controller."""
+error feedback, the bytes on the wire, strategies and the controller."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from accordion.compress.quantize import (
     quantize,
     unpack,
 )
+from accordion.compress.two_phase import two_phase_bytes
 from accordion.compress.wire import allgather_bytes, allreduce_bytes
 
 WORKERS = 3
@@ -170,11 +171,12 @@ def test_a_blocks_largest_magnitude_is_sent_as_the_largest_integer(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_the_average_of_3_workers_is_the_mean_within_half_a_scale_each_on_every_worker(bits):
+def test_the_all_gathered_average_of_3_workers_is_the_mean_within_half_a_scale_each(bits):
     shapes = [(16, 150), (130,), (4, 3, 3, 3)]
     tensors = [[t for t in (worker_tensors(10 * bits + i, s)[w] for i, s in enumerate(shapes))]
                for w in range(WORKERS)]  # fmt: skip
-    results, _ = exchange_once([IntQuantizer(bits) for _ in range(WORKERS)], tensors)
+    quantizers = [IntQuantizer(bits, collective="all_gather") for _ in range(WORKERS)]
+    results, _ = exchange_once(quantizers, tensors)
     for i in range(len(shapes)):
         each = torch.stack([ts[i] for ts in tensors])
         mean = each.mean(dim=0)
@@ -201,13 +203,14 @@ def test_residual_plus_the_dequantised_sent_value_is_the_input(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_with_error_feedback_the_running_mean_converges_to_the_true_mean(bits):
+def test_with_error_feedback_the_all_gathered_running_mean_converges_to_the_true_mean(bits):
     grads = worker_tensors(7, (8, 96))
     mean = torch.stack(grads).mean(dim=0)
     steps = 200
     error = {}
     for memory in (ErrorFeedback, NoMemory):
-        reducers = [Reducer(IntQuantizer(bits), memory()) for _ in range(WORKERS)]
+        reducers = [Reducer(IntQuantizer(bits, collective="all_gather"), memory())
+                    for _ in range(WORKERS)]  # fmt: skip
         total = torch.zeros_like(mean)
         for _ in range(steps):
             inputs = [[g.clone()] for g in grads]
@@ -269,53 +272,47 @@ def test_tensors_at_different_levels_travel_in_one_phase_of_two_all_gathers():
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_the_bytes_sent_are_what_messages_and_ring_accounting_say(bits):
-    shapes = [(32, 100), (100,), (), (16, 3, 3, 3)]
+def test_the_bytes_sent_in_two_phases_are_what_messages_and_ring_accounting_say(bits):
+    # whole blocks in every row and 1024 = 4 workers * 4 blocks of 64: no chunk padding
+    shapes = [(8, 64), (256,), (4, 64)]
     tensors = [[t[w] for t in (worker_tensors(i, s, 4) for i, s in enumerate(shapes))]
                for w in range(4)]  # fmt: skip
     _, world = exchange_once([IntQuantizer(bits) for _ in range(4)], tensors)
     messages = [m for s in shapes for m in IntQuantizer.messages(s, bits, 4)]
-    assert all(m.op == "allgather" for m in messages)
+    assert all(m.op == "twophase" for m in messages)
     assert world.bytes_sent == sum(wire_bytes(s, "int", bits, 4, 4) for s in shapes)
-    assert world.bytes_sent == allgather_bytes(sum(m.nbytes for m in messages), 4)
-    values = sum(math.ceil(math.prod(s) * bits / 8) for s in shapes)
-    assert world.bytes_sent == 3 * (values + 2 * sum(block_count(s) for s in shapes))
+    assert world.bytes_sent == allreduce_bytes(sum(m.nbytes for m in messages), 4)
+    assert world.bytes_sent == two_phase_bytes(1024, bits, 4, BLOCK)
 
 
-def test_messages_are_packed_bytes_and_two_bytes_per_scale_whatever_the_element_size():
+def test_messages_are_one_two_phase_share_of_packed_bytes_and_two_per_scale():
     for element_size in (2, 4, 8):
-        values, scales = IntQuantizer.messages((10, 100), 4, element_size)
-        assert (values.op, values.slot, values.nbytes) == ("allgather", "values", 500)
-        assert (scales.op, scales.slot, scales.nbytes) == ("allgather", "scales", 2 * 20)
-    assert [m.nbytes for m in IntQuantizer.messages((), 8, 4)] == [1, 2]  # 3 bytes < 4: pays
+        (message,) = IntQuantizer.messages((10, 100), 4, element_size)
+        assert (message.op, message.slot, message.nbytes) == ("twophase", "codes", 500 + 2 * 20)
+    assert [m.nbytes for m in IntQuantizer.messages((), 8, 4)] == [1 + 2]  # 3 bytes < 4: pays
     assert IntQuantizer.paper_floats((10, 100), 4, 4) == 1000 * 4 // 32 + 20
     assert IntQuantizer.paper_floats((), 2, 4) == 1 + 1
 
 
-def test_the_break_even_is_where_the_all_gathers_send_as_much_as_a_dense_all_reduce():
-    shapes = [(1000, 512), (512,)]
-    described = IntQuantizer.break_even(shapes, 8)
-    assert (described.workers, described.bits) == (8, (8, 4, 2))
-    dense = sum(math.prod(s) for s in shapes) * 4
-    for bits, point in zip(described.bits, described.max_workers):
-        sent = sum(m.nbytes for s in shapes for m in IntQuantizer.messages(s, bits, 4))
-        assert math.isclose(allgather_bytes(sent, point), allreduce_bytes(dense, point))
-        below, above = math.floor(point), math.ceil(point)
-        assert allgather_bytes(sent, below) < allreduce_bytes(dense, below)
-        assert allgather_bytes(sent, above) > allreduce_bytes(dense, above)
-    assert described.max_workers[0] == pytest.approx(8 / (1 + 2 / 64), rel=1e-3)
-    assert IntQuantizer.break_even([], 4).max_workers is None
+@pytest.mark.parametrize("bits", BITS)
+def test_the_wire_bytes_against_dense_are_flat_in_the_workers_from_2_to_1024(bits):
+    shape = (4096, 1024)
+    ratios = {wire_bytes(shape, "int", bits, w, 4) / wire_bytes(shape, "dense", None, w, 4)
+              for w in (2, 3, 8, 64, 512, 1024)}  # fmt: skip
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    assert min(ratios) == pytest.approx((bits / 8 + 2 / 64) / 4, rel=1e-12)
 
 
-def test_the_break_even_is_written_for_people():
-    entry = {**IntQuantizer.break_even([(1000, 512)], 8).as_dict(), "bytes_vs_dense": [1.2, 0.6]}
-    text = IntQuantizer.break_even_text(entry, ["int8", "int4"])
-    assert text.startswith("integer quantisation break-even at 8 workers: int8 below 7.76")
-    assert "int4 below 15.1 workers, int2 below 28.4 workers" in text
-    assert text.endswith("bytes against dense: int8 1.2x, int4 0.6x")
-    none = {**IntQuantizer.break_even([], 8).as_dict(), "bytes_vs_dense": []}
-    assert IntQuantizer.break_even_text(none, []).endswith("none (integer quantisation "
-                                                           "compresses no tensor)")  # fmt: skip
+def test_at_two_workers_the_accounting_is_the_all_gather_that_auto_chooses():
+    shape = (16, 3, 3, 3)
+    (message,) = IntQuantizer.messages(shape, 8, 4)
+    assert wire_bytes(shape, "int", 8, 2, 4) == allgather_bytes(message.nbytes, 2)
+    assert not IntQuantizer(8).two_phase_pays([math.prod(shape)], 8, 2)
+
+
+def test_the_integer_quantiser_has_no_break_even_its_bytes_being_flat_in_the_workers():
+    assert IntQuantizer.break_even([(1000, 512), (512,)], 8) is None
+    assert IntQuantizer.break_even([(1000, 512)], 1024, element_size=2) is None
 
 
 def test_an_overflowing_scale_is_a_non_finite_step_that_resets_the_memory():

@@ -10,7 +10,9 @@ Two measures are kept apart on purpose:
 * **wire bytes** -- what one worker really puts on the network for the collective
   used, assuming bandwidth-optimal ring algorithms: an all-reduce of ``S`` bytes
   sends ``2 (W - 1) / W * S`` bytes per worker, an all-gather of ``s`` bytes per
-  worker sends ``(W - 1) * s`` bytes per worker.
+  worker sends ``(W - 1) * s`` bytes per worker, and the integer quantisers' two-phase
+  exchange of ``S`` compressed bytes sends ``2 (W - 1) / W * S``, as an all-reduce
+  (``compress/wire.py``: the chunks' padding to whole blocks left out).
 
 A tensor is charged as it is really sent: dense when the compressor does not apply to
 its shape, or when its level does not pay for it (sends at least as much as dense:

@@ -10,6 +10,12 @@
   :class:`~accordion.report.Costs`,
 * a transport that carries every collective, the ranks' agreements included.
 
+The world size is read when the transport opens, at the first exchange (or given as
+``transport=``), not when the controller is built: one built before
+``init_process_group`` averages over the group it finds then. Once the layers and the
+world size are known, one ``RuntimeWarning`` names the rungs that would send at least as
+many bytes as a dense ring all-reduce (``Compressor.messages`` under ring algorithms).
+
 Adapters make one call per step, :meth:`Controller.reduce`: the DDP communication hook
 (``accordion.ddp``), FSDP2's all-reduce hook (``accordion.fsdp``) and the loop without
 DDP (:meth:`Controller.reduce_gradients`). The training loop tells it when an epoch or a
@@ -18,6 +24,7 @@ step ends; :meth:`Controller.state_dict` follows ``accordion.checkpoint.format``
 
 # No `from __future__ import annotations`: a DDP hook's annotations are checked at run time.
 import datetime
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -31,9 +38,23 @@ from .agreement import agreed_rungs, agreement_device, check_agreement
 from .audit import Audits, measured_step
 from .calibration import calibrate
 from .checkpoint import format as checkpoint_format
-from .compress import ErrorFeedback, Exchange, Reducer, average_in_place, compressor_class
+from .compress import (
+    COLLECTIVES,
+    ErrorFeedback,
+    Exchange,
+    Reducer,
+    average_in_place,
+    compressor_class,
+)
 from .compress.base import RANK_CHANGE_POLICIES
-from .compress.transport import check_process_group, check_timeout, open_transport, world_and_rank
+from .compress.transport import (
+    check_process_group,
+    check_timeout,
+    check_workers_per_host,
+    open_transport,
+    world_and_rank,
+)
+from .compress.wire import Message, allreduce_bytes, ring_bytes
 from .defaults import resolve
 from .params import ParameterTable
 from .policy import Rule, Schedule
@@ -58,6 +79,70 @@ def _check_levels(controller: "Controller", stacklevel: int) -> None:
     message = useless_levels(controller.ladder, controller._layers())
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+    if controller._transport is not None:  # else at the first exchange: opening it is collective
+        _check_wire(controller, controller._transport.world_size, stacklevel + 1)
+
+
+def _check_once(controller: "Controller", transport: Any, stacklevel: int) -> None:
+    """At an exchange: the warnings not yet given, once every layer and the world size are
+    known (the levels' at the first step's end when bound lazily)."""
+    if not controller._levels_checked and controller.step > 0:
+        _check_levels(controller, stacklevel)
+    if not controller._wire_checked and controller._levels_checked:
+        _check_wire(controller, transport.world_size, stacklevel)
+
+
+def _check_wire(controller: "Controller", world_size: int, stacklevel: int) -> None:
+    """Warn once, in one ``RuntimeWarning``, of every rung that would send at least as many
+    wire bytes as a dense ring all-reduce at ``world_size`` workers, naming the layers
+    (:func:`_wire_heavy_levels`)."""
+    controller._wire_checked = True
+    layers = controller._layers()
+    element_sizes = controller.params.element_size
+    message = _wire_heavy_levels(controller.ladder, layers.reducer,
+                                {k: layers.shapes[k] for k in layers.compressed()},
+                                {k: element_sizes.get(k, 4) for k in layers.compressed()},
+                                world_size, controller.collective)  # fmt: skip
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _wire_heavy_levels(ladder: Any, reducer: Reducer, shapes: Mapping[str, tuple[int, ...]],
+                       element_sizes: Mapping[str, int], world_size: int,
+                       collective: str = "auto") -> str | None:  # fmt: skip
+    """The warning, or ``None``, of the rungs of ``ladder`` at which some of the layers of
+    ``shapes`` (key -> shape, gradients of ``element_sizes[key]`` bytes per value) would
+    each send at least as many bytes per worker as a dense ring all-reduce of it at
+    ``world_size`` workers (``Compressor.messages`` under ring algorithms,
+    :func:`~accordion.compress.wire.ring_bytes`): an all-gather's bytes grow with the
+    workers; with ``collective="all_gather"`` two-phase messages are all-gathered too.
+    Layers a rung sends dense (``Compressor.pays``) are not counted; one worker sends
+    nothing either way."""
+    if world_size < 2:
+        return None
+    cls, heavy = ladder.compressor, []
+    for level in dict.fromkeys(ladder.levels):
+        keys = []
+        for key, shape in shapes.items():
+            if not (cls.applies_at(shape, level) and reducer.pays(shape, level)):
+                continue  # sent dense at this rung: useless_levels says so
+            size = element_sizes[key]
+            dense = allreduce_bytes(math.prod(shape) * size, world_size)
+            messages = [Message("allgather", m.slot, m.nbytes)
+                        if collective == "all_gather" and m.op == "twophase" else m
+                        for m in cls.messages(shape, level, size)]  # fmt: skip
+            if ring_bytes(messages, world_size) >= dense:
+                keys.append(key)
+        if keys:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            heavy.append(f"{cls.label(level)} for {len(keys)} layer(s) "
+                         f"({', '.join(map(repr, keys[:5]))}{more})")  # fmt: skip
+    if not heavy:
+        return None
+    return (f"at {world_size} workers some rungs send at least as many bytes as a dense ring "
+            f"all-reduce (their all-gathers grow with the workers): {'; '.join(heavy)}; "
+            f"a compressor whose bytes stay flat in the workers (all-reduced, or quantised in "
+            f"two phases) sends less (levels {list(ladder.levels)})")  # fmt: skip
 
 
 class Controller:
@@ -66,10 +151,9 @@ class Controller:
     Args:
         model: the module whose gradients are averaged (plain or DDP-wrapped), or ``None``
             to bind parameters lazily from the buckets.
-        compressor: a registered compressor name (``"powersgd"``, ``"topk"``, ``"int"``,
-            ``"mixed"``, ``"half"``, ``"dense"``; see ``accordion.compress.compressor_names()``).
-            Default ``None``: without levels the default ladder, int8 -> int4 of ``"mixed"``
-            (:func:`accordion.defaults.resolve`); levels without it are PowerSGD ranks.
+        compressor: a registered compressor name (``accordion.compress.compressor_names()``).
+            Default ``None``: without levels the default ladder, int8 -> int4 of ``"mixed"``;
+            levels without it are PowerSGD ranks (:func:`accordion.defaults.resolve`).
         mild: level in critical regimes (PowerSGD rank, top-k fraction, ...). Default:
             the compressor's (rank 2 / top-k 0.99).
         aggressive: level elsewhere. Default: rank 1 / top-k 0.1. ``mild == aggressive``
@@ -77,30 +161,28 @@ class Controller:
         interval: how often the rule checks, in epochs (``interval_unit="epoch"``) or in
             optimizer steps (``"step"``). Default: the rule's ``default_interval``, 1 for
             the guarded rule, 10 for the paper's (which used 10 for CNNs, 5 for the LSTM).
-        eta: the default rule's threshold on the relative change of a layer's gradient
-            norm (default 0.5); only with the default rule.
+        eta: the default rule's threshold on a layer's gradient norm's relative change (0.5).
         statistic: ``"sharded"`` (the default: each layer's statistic is one rank's, as
             in the paper, but each rank sums about ``1 / world_size`` of the layers),
             ``"rank0"`` (the paper: rank 0's decide every layer) or ``"mean"`` (averaged
             over ranks): see :mod:`accordion.statistic`; or a ``Statistic`` object.
-        interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (call
-            :meth:`end_step` after every optimizer step).
-        process_group: the group to average over: ``None`` (the default group) or a
-            ``torch.distributed.ProcessGroup``.
+        interval_unit: ``"epoch"`` (call :meth:`end_epoch`) or ``"step"`` (:meth:`end_step`).
+        process_group: the group to average over, ``None`` (the default) or a ``ProcessGroup``.
         seed: seed shared by all ranks for the compressor's random state (PowerSGD's Q).
         on_rank_change: PowerSGD's Q at a rank switch: ``"reuse"`` (default) or
             ``"redraw"`` (the paper's scripts). Ignored by compressors without it.
         levels: the whole ladder instead of ``mild``/``aggressive``: two or more levels,
             mildest first, e.g. ``(4, 2, 1)``.
-        rule: the :class:`~accordion.policy.Rule` that decides the rungs. Default:
-            ``GuardedRule(eta)``, which walks the ladder one rung at a time (see
-            ``docs/hook.md``); ``rule=PaperRule()`` with ``interval=10`` is the paper's.
-        timeout: how long Accordion's collectives wait for the other ranks before they
-            raise, naming the exchange phase. Default: the process group's own timeout
-            (as given to ``init_process_group``).
-        transport: the transport of every collective (with ``world_size``, ``rank``,
-            ``run`` and ``run_async``). Default: one on a private copy of
-            ``process_group``, created at first use (see :meth:`transport`).
+        rule: the :class:`~accordion.policy.Rule` that decides the rungs. Default
+            ``GuardedRule(eta)`` (``docs/hook.md``); ``PaperRule()``, ``interval=10``: the paper's.
+        timeout: how long Accordion's collectives wait for the other ranks before they raise
+            (naming the exchange phase). Default: the group's (``init_process_group``'s).
+        transport: the transport of every collective (``world_size``, ``rank``, ``run``,
+            ``run_async``). Default: on a private copy of ``process_group``, at first use.
+        collective: how ``int``/``nq`` send: ``"auto"`` (default: the fewer bytes),
+            ``"all_gather"`` or ``"two_phase"`` (:mod:`accordion.compress.two_phase`).
+        workers_per_host: they average in full precision, quantisers compress across hosts
+            only; ``"auto"``: ``torchrun``'s ``LOCAL_WORLD_SIZE`` (:func:`workers_per_host`).
     """
 
     def __init__(self, model: nn.Module | None = None, compressor: str | None = None,
@@ -109,7 +191,8 @@ class Controller:
                  interval_unit: str = "epoch", process_group: Any = None, seed: int = 0,
                  on_rank_change: str = "reuse", levels: Sequence[Any] | None = None,
                  rule: Rule | None = None, timeout: datetime.timedelta | None = None,
-                 transport: Any = None):  # fmt: skip
+                 transport: Any = None, collective: str = "auto",
+                 workers_per_host: int | str = "auto"):  # fmt: skip
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
         self.process_group = group = check_process_group(process_group)
@@ -124,12 +207,14 @@ class Controller:
         self.timeout = check_timeout(timeout)
         self.seed = seed
         check_choice("on_rank_change", on_rank_change, RANK_CHANGE_POLICIES)  # for every kind
-        self._options = {"seed": seed, "on_rank_change": on_rank_change}
+        self.collective = check_choice("collective", collective, COLLECTIVES)  # integers' way
+        self._options = {"seed": seed, "on_rank_change": on_rank_change, "collective": collective}
+        self.workers_per_host = check_workers_per_host(workers_per_host)
         self.reducer = self._new_reducer()
         self.ledger = Ledger()
         self.params = ParameterTable()
         self._costs = Costs()  # the ledger's prices, per key and level
-        self._levels_checked = False  # levels that compress nothing are warned of once
+        self._levels_checked = self._wire_checked = False  # what is warned of once
         self._transport = _checked_transport(transport)
         self._audits = Audits()  # which step a rule that needs "audit" audits
         #: The last :meth:`calibrate` report, or ``None``.
@@ -176,7 +261,8 @@ class Controller:
         """The transport of every collective; every rank must get here at the same point
         (the first creates it: :func:`~accordion.compress.transport.open_transport`)."""
         if self._transport is None:
-            self._transport = open_transport(self.process_group, self.timeout)
+            self._transport = open_transport(self.process_group, self.timeout,
+                                             self.workers_per_host)  # fmt: skip
         return self._transport
 
     def _layers(self) -> Layers:
@@ -209,15 +295,14 @@ class Controller:
             for k, g in zip(keys, grads)
         ):  # all dense: the bucket's flat buffer goes as it is, as in DDP's own hook
             return average_in_place(grads, world, buffer)
-        return reducer.exchange(keys, grads, world)
+        return reducer.exchange(keys, grads, world, getattr(transport, "local_size", 1))
 
     def _observe(self, keys: Sequence[str], grads: Sequence[torch.Tensor], transport,
                  dense: bool = False) -> None:  # fmt: skip
         """Before an exchange: add ``grads`` to the statistic when the schedule gathers it,
         and their cost at the current levels (every one dense with ``dense``) to the ledger."""
         self.decider.observed = True
-        if not self._levels_checked and self.step > 0:  # bound lazily: every layer seen now
-            _check_levels(self, stacklevel=5)
+        _check_once(self, transport, stacklevel=6)
         world, layers = transport.world_size, self._layers()
         if self.adaptive and self.schedule.collecting(self.epoch) and layers.compressed():
             self._statistic.observe(keys, grads, layers, world, transport.rank)
@@ -331,6 +416,7 @@ class Controller:
             "statistic": self.statistic,
             "interval_unit": self.interval_unit,
             "seed": self.seed,
+            "collective": self.collective,
             "rule": {"name": self.rule.name, **self.rule.config()},
         }
 
@@ -351,8 +437,9 @@ class Controller:
         this state as it was: every part is checked and loaded into a fresh object
         first, and swapped in at the end (see :func:`accordion.checkpoint.format.read`)."""
         world, rank = world_and_rank(self.process_group)
-        parts = checkpoint_format.read(state, world, rank if world > 1 else 0, self.config(),
-                                       self.params, self._new_reducer, self.ladder, self.rule)
+        parts = checkpoint_format.read(_with_collective(state), world, rank if world > 1 else 0,
+                                       self.config(), self.params, self._new_reducer, self.ladder,
+                                       self.rule)  # fmt: skip
         parts.reducer.noise.on = self.reducer.noise.on  # Adam's correction reads on
         self.reducer, self.ledger = parts.reducer, parts.ledger
         self._statistic.restart(parts.sums)  # "sharded": dealt out again at the next step
@@ -424,6 +511,16 @@ class _Host:
     def checked(self) -> None:
         """A new period of the statistic."""
         self._controller.sums.zero()
+
+
+def _with_collective(state: Any) -> Any:
+    """``state`` in the current checkpoint format, its config's ``collective`` ``"auto"``
+    (the default) when written before the option; a malformed one is left to the reader."""
+    state = checkpoint_format.upgrade(state)
+    config = state.get("config")
+    if isinstance(config, Mapping) and "collective" not in config:
+        state["config"] = {**config, "collective": "auto"}
+    return state
 
 
 def _checked_transport(transport: Any) -> Any:

@@ -5,6 +5,9 @@ latency ``a`` (s) costs, with bandwidth-optimal ring algorithms:
 
 * all-reduce of ``S`` bytes: ``2 (W - 1) a + 2 (W - 1) / W * S / B``
 * all-gather of ``s`` bytes per worker: ``(W - 1) a + (W - 1) s / B``
+* two-phase exchange of ``S`` compressed bytes per worker (an all-to-all of ``W``
+  chunks, then an all-gather of one): ``(W - 1) a + (W - 1) / W * S / B`` each, an
+  all-reduce's ``2 (W - 1) a + 2 (W - 1) / W * S / B`` in all
 
 It also decides what to compress: :func:`fit_link` turns timed all-reduces into a
 bandwidth and a latency, and :func:`choose_dense` picks the tensors whose compression
@@ -108,6 +111,14 @@ def allgather_time(
         return 0.0
     w = world_size
     return (w - 1) * latency + (w - 1) * nbytes_per_worker / bandwidth
+
+
+def two_phase_time(nbytes: float, world_size: int, bandwidth: float, latency: float) -> float:
+    """Seconds for the two-phase exchange of ``nbytes`` compressed bytes per worker: an
+    all-to-all of its ``W`` chunks and an all-gather of one chunk from each worker, each
+    ``(W - 1) a + (W - 1) / W * nbytes / B``, which is :func:`allreduce_time` (chunk
+    padding left out; bandwidth in bytes/s, latency in s)."""
+    return allreduce_time(nbytes, world_size, bandwidth, latency)
 
 
 def transfer_time(

@@ -4,9 +4,11 @@ The default must keep the quality of uncompressed training on every workload mea
 CNNs trained with SGD and transformers trained with AdamW alike (``docs/dense-quality.md``):
 integer quantisation, 8 bits in the critical regimes and 4 bits elsewhere. PowerSGD's low
 ranks, the default before, lost 8.6 points of next-character accuracy on the character
-transformer. Integers are all-gathered, so each worker's bytes grow with the workers; a
-rung that would put more bytes on the wire than a dense ring all-reduce at the run's world
-size is replaced by half precision, which is all-reduced and halves fp32 at any size.
+transformer. The ladder is the same at every world size: from three workers on the
+integers travel in two phases (``compress/two_phase.py``), so each worker sends about
+``2 (W - 1) / W`` of its quantised bytes, 0.26x a dense fp32 ring all-reduce at 8 bits and
+0.13x at 4 bits, at any ``W`` (0.52x and 0.27x of a bf16 one). The all-gather it replaced
+grew with ``W``; half precision stood in for a rung past about 8 workers then.
 """
 
 from __future__ import annotations
@@ -16,30 +18,18 @@ from typing import Any
 
 from torch import nn
 
-from .compress.quantize import BLOCK, IntQuantizer
-from .compress.transport import world_and_rank
-
 #: The default ladder's integer bit widths, mildest first.
 DEFAULT_BITS = (8, 4)
-#: The rung that replaces an integer rung past its break-even.
-FALLBACK = "half/bf16"
-#: The compressor of the default ladder (its rungs come from two compressors).
+#: The compressor of the default ladder (its levels name their compressor: ``"int/8"``).
 DEFAULT_COMPRESSOR = "mixed"
 #: The compressor that levels given without one are read with, as before the int default.
 LEGACY_COMPRESSOR = "powersgd"
 
 
-def default_levels(world_size: int, element_size: int = 4) -> tuple[str, ...]:
-    """The default ladder's levels (``"mixed"`` compressor names) at ``world_size``
-    workers averaging gradients of ``element_size`` bytes per value: ``int/8`` then
-    ``int/4``, each replaced by ``half/bf16`` from the worker count at which its
-    all-gathers send as many bytes as a dense ring all-reduce (for fp32 gradients, 7.8
-    workers at 8 bits and 15 at 4: :meth:`IntQuantizer.break_even`, full blocks)."""
-    even = IntQuantizer.break_even([(BLOCK * 1024,)], world_size, element_size)
-    assert even.max_workers is not None  # a non-empty tensor always has a break-even
-    paying = dict(zip(even.bits, even.max_workers))
-    return tuple(f"int/{bits}" if world_size < paying[bits] else FALLBACK
-                 for bits in DEFAULT_BITS)  # fmt: skip
+def default_levels() -> tuple[str, ...]:
+    """The default ladder's levels (``"mixed"`` compressor names): ``int/8`` then
+    ``int/4``, at every world size and gradient width."""
+    return tuple(f"int/{bits}" for bits in DEFAULT_BITS)
 
 
 def resolve(compressor: str | None, model: nn.Module | None, process_group: Any,
@@ -49,20 +39,20 @@ def resolve(compressor: str | None, model: nn.Module | None, process_group: Any,
     ``compressor`` is ``None``. Then: ``"mixed"`` for ``levels`` that all name their
     compressor (``"int/8"``), PowerSGD for other levels or ``mild``/``aggressive`` (what
     such levels meant before), and with none of them the default ladder,
-    :func:`default_levels` at ``process_group``'s size for ``model``'s gradient width
-    (fp32 without a model)."""
+    :func:`default_levels`. ``model`` and ``process_group`` no longer change the default
+    (it is the same at every world size and gradient width); they are taken so that the
+    callers need not change."""
     if compressor is not None:
         return compressor, levels
-    if isinstance(levels, Sequence) and levels and all(
-        isinstance(level, str) and "/" in level for level in levels
+    if (
+        isinstance(levels, Sequence)
+        and levels
+        and all(isinstance(level, str) and "/" in level for level in levels)
     ):
         return DEFAULT_COMPRESSOR, levels
     if levels is not None or mild is not None or aggressive is not None:
         return LEGACY_COMPRESSOR, levels
-    world_size = world_and_rank(process_group)[0]
-    first = next(iter(model.parameters()), None) if model is not None else None
-    element_size = 4 if first is None else first.element_size()
-    return DEFAULT_COMPRESSOR, default_levels(world_size, element_size)
+    return DEFAULT_COMPRESSOR, default_levels()
 
 
-__all__ = ["DEFAULT_BITS", "DEFAULT_COMPRESSOR", "FALLBACK", "default_levels", "resolve"]
+__all__ = ["DEFAULT_BITS", "DEFAULT_COMPRESSOR", "default_levels", "resolve"]

@@ -1,18 +1,20 @@
 """What a compressor would send for a model, before any training: the ``accordion plan``.
 
 For each level (and for dense), from the parameter shapes alone: paper-convention floats
-per step and over a run, real bytes per step, the compression ratio and the
-communication time per step predicted by the alpha-beta model. The time assumes the
-gradients travel as one bucket the way our reducer sends it: one all-reduce of all the
-dense tensors, plus one per collective of the compressor's messages (PowerSGD's P and Q
-factors, top-k's values and indices). A tensor whose level does not pay for it
+per step and over a run, real bytes per step and their ratio to dense's, the paper's
+compression ratio and the communication time per step predicted by the alpha-beta
+model. The time assumes the gradients travel as one bucket the way our reducer sends
+it: one all-reduce of all the dense tensors, plus one per collective of the
+compressor's messages (PowerSGD's P and Q factors, top-k's values and indices, the
+integer quantisers' two-phase exchange). A tensor whose level does not pay for it
 (``Compressor.pays``: it would send at least as much as dense) counts dense at that
 level, as the hook sends it.
 
 :func:`break_even` says where a compressor's levels stop paying for a model at a worker
 count, where its cost description has such a point (``Compressor.break_even``: top-k's
 all-gathers put more bytes on the wire than a dense ring all-reduce above a density of
-``1/W`` for fp32 values and int32 indices). :func:`scaling_plan` repeats the plan over
+``1/W`` for fp32 values and int32 indices; the integer quantisers' two phases have none,
+their bytes against dense being flat in the workers). :func:`scaling_plan` repeats the plan over
 worker counts and link rates. :func:`diloco_plan` turns a plan's rows into DiLoCo's,
 per inner step of a run that syncs every H of them.
 """
@@ -27,14 +29,21 @@ from typing import Any
 from ._validate import check_int
 from .accounting import check_world_size, paper_floats, wire_bytes
 from .compress import BreakEvenDescription, Dense, compressor_class, sent_as
-from .costmodel import allgather_time, allreduce_time, transfer_time
+from .costmodel import allgather_time, allreduce_time, transfer_time, two_phase_time
 
-_TIMES = {"allreduce": allreduce_time, "allgather": allgather_time}
+#: The alpha-beta time of each collective a message travels in (``wire.OPS``).
+_TIMES = {"allreduce": allreduce_time, "allgather": allgather_time, "twophase": two_phase_time}
 
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One level of a plan. Floats follow the paper's convention; bytes are per worker."""
+    """One level of a plan. Floats follow the paper's convention; bytes are per worker.
+
+    ``compression_ratio`` is dense's floats over the level's (the paper's); ``bytes_vs_dense``
+    the level's wire bytes per step over dense's (``None`` where dense sends none: one
+    worker), what the link carries: they differ where the paper's floats do not see a
+    collective's factor of the workers or a value's width.
+    """
 
     label: str
     compressor: str
@@ -43,6 +52,7 @@ class PlanRow:
     floats_total: float
     bytes_per_step: float
     compression_ratio: float
+    bytes_vs_dense: float | None
     comm_time_per_step_s: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,37 +101,41 @@ def make_plan(
     check_int("steps", steps, 0)
     cls = _compressing(compressor)
 
-    def row(label: str, kind: str, level: Any, dense_floats: int) -> PlanRow:
+    def sent(kind: str, level: Any) -> float:
+        return sum(wire_bytes(s, kind, level, world_size, element_size) for s in shapes)
+
+    dense_floats = sum(paper_floats(s, "dense", None, world_size) for s in shapes)
+    dense_bytes = sent("dense", None)
+
+    def row(label: str, kind: str, level: Any) -> PlanRow:
         floats = sum(paper_floats(s, kind, level, world_size) for s in shapes)
+        nbytes = sent(kind, level)
         return PlanRow(
             label=label,
             compressor=kind,
             level=level,
             floats_per_step=floats,
             floats_total=floats * steps,
-            bytes_per_step=sum(
-                wire_bytes(s, kind, level, world_size, element_size) for s in shapes
-            ),
+            bytes_per_step=nbytes,
             compression_ratio=dense_floats / floats if floats else math.inf,
+            bytes_vs_dense=nbytes / dense_bytes if dense_bytes else None,
             comm_time_per_step_s=comm_time_per_step(
                 shapes, kind, level, world_size, bandwidth, latency, element_size
             ),
         )
 
-    dense_floats = sum(paper_floats(s, "dense", None, world_size) for s in shapes)
-    rows = [row("dense", "dense", None, dense_floats)]
+    rows = [row("dense", "dense", None)]
     for level in levels:
-        label = cls.label(level)
-        rows.append(row(label, compressor, level, dense_floats))
+        rows.append(row(cls.label(level), compressor, level))
     return rows
 
 
 def diloco_plan(rows: Sequence[PlanRow], sync_every: int) -> list[PlanRow]:
     """``rows`` (a :func:`make_plan`, dense first) for DiLoCo syncing every ``sync_every``
     (H) inner steps: each row's floats, bytes and seconds per inner step are one sync's
-    divided by H, its total over the run's inner steps likewise, and its ratio is against
-    dense *every step* (data-parallel training), so H multiplies it. Labels read
-    ``DiLoCo H=10, rank 4``."""
+    divided by H, its total over the run's inner steps likewise, and its ratios are against
+    dense *every step* (data-parallel training), so H multiplies the compression ratio
+    and divides the bytes against dense. Labels read ``DiLoCo H=10, rank 4``."""
     h = check_int("sync_every", sync_every, 1)
     if not rows or rows[0].compressor != "dense":
         raise ValueError("rows must be a plan with dense first, as make_plan returns")
@@ -131,6 +145,7 @@ def diloco_plan(rows: Sequence[PlanRow], sync_every: int) -> list[PlanRow]:
                 floats_total=row.floats_total / h, bytes_per_step=row.bytes_per_step / h,
                 compression_ratio=dense * h / row.floats_per_step if row.floats_per_step
                 else math.inf,
+                bytes_vs_dense=None if row.bytes_vs_dense is None else row.bytes_vs_dense / h,
                 comm_time_per_step_s=row.comm_time_per_step_s / h)
         for row in rows
     ]  # fmt: skip

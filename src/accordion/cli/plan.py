@@ -12,6 +12,7 @@ from typing import Any
 from .._validate import check_choice
 from ..compress import compressing_names, compressor_class
 from ..costmodel import parse_bandwidth, parse_latency
+from ..defaults import DEFAULT_COMPRESSOR, default_levels, resolve
 from ..models.shapes import default_num_classes, named_shapes, plan_model_names, takes_classes
 from ..plan import diloco_plan, layer_plan, make_plan, scaling_plan
 from .break_even import _break_even, _break_even_line, _shows_break_even
@@ -24,8 +25,9 @@ def plan_compressors() -> tuple[str, ...]:
     return compressing_names()
 
 
-#: The compressor ``accordion plan`` weighs by default (the paper's).
-PLAN_COMPRESSOR = "powersgd"
+#: The compressor ``accordion plan`` weighs by default: the library's default ladder's
+#: (:func:`accordion.defaults.default_levels`, ``int/8`` then ``int/4``).
+PLAN_COMPRESSOR = DEFAULT_COMPRESSOR
 
 
 PLAN_JSON_KEYS = """\
@@ -36,8 +38,11 @@ and "levels": a list with one entry for dense and one per level, each with
   compressor, level     the compressor kind and its level (null for dense)
   floats_per_step       floats one worker sends per step, paper convention
   floats_total          floats_per_step * steps
-  bytes_per_step        bytes one worker puts on the wire per step (ring collectives)
-  compression_ratio     dense floats_per_step / this level's floats_per_step
+  bytes_per_step        bytes one worker puts on the wire per step (ring collectives;
+                        the integer quantisers' two phases 2(W-1)/W of their payload)
+  compression_ratio     dense floats_per_step / this level's floats_per_step (the paper's)
+  bytes_vs_dense        this level's bytes_per_step / dense's, what the link carries
+                        (null for one worker, where dense sends nothing)
   comm_time_per_step_s  predicted communication seconds per step (alpha-beta model)
 With --layers, also "layers": one entry per parameter tensor, each with
   name, shape           the parameter's name and shape
@@ -61,7 +66,7 @@ and link rate, worker counts outermost, each with workers, bandwidth_bytes_per_s
 and (for top-k) topk_break_even as above.
 With --sync-every H, also "sync_every": H and "diloco_levels": dense and each level for
 DiLoCo syncing every H inner steps, the keys of "levels" per inner step (one sync's
-figures / H; compression_ratio against dense every step).
+figures / H; compression_ratio and bytes_vs_dense against dense every step).
 """
 
 
@@ -130,6 +135,10 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[Any], list[int], list[f
         parser.error(
             f"argument --model: must be one of {', '.join(plan_model_names())}, got {args.model!r}"
         )
+    if args.compressor is None:  # the library's rule (AccordionState's): one place
+        given = None if args.levels is None else [item.strip() for item in args.levels.split(",")]
+        args.compressor, chosen = resolve(None, None, None, given)
+        args.levels = ",".join(chosen) if args.levels is None else args.levels
     if args.compressor not in plan_compressors():
         parser.error(
             f"argument --compressor: must be one of {', '.join(plan_compressors())}, "
@@ -252,28 +261,28 @@ def _add_plan(sub: Any) -> None:
         help=f"model name: {', '.join(plan_model_names())} (default %(default)s); resnet50 "
         "(ImageNet) and transformer-1b (GPT-2-style, 18 x 2048) are known by their shapes only",
     )
-    add(
-        "--num-classes",
-        type=int,
-        default=None,
+    add("--num-classes", type=int, default=None,
         help="classes (default the model's: 1000 for resnet50, else 10; the language models "
-        "lstm and transformer-1b ignore it)",
-    )
-    add(
-        "--workers",
-        default="4",
+        "lstm and transformer-1b ignore it)")  # fmt: skip
+    add("--workers", default="4",
         help="data-parallel workers, or a comma-separated list such as 8,64,512 for a "
-        "scaling grid (default %(default)s)",
-    )
+        "scaling grid (default %(default)s)")  # fmt: skip
     add("--steps", type=int, default=29400, help="optimizer steps (default %(default)s)")
     names = plan_compressors()
-    add("--compressor", default=PLAN_COMPRESSOR, help=f"{', '.join(names)} (default %(default)s)")
+    ladder = ",".join(default_levels())
+    add(
+        "--compressor",
+        default=None,
+        help=f"{', '.join(names)} (default {PLAN_COMPRESSOR}, the library's default ladder "
+        f"'{ladder}'; with --levels that name no compressor, such as '2,1', powersgd)",
+    )
     defaults = ", ".join(f"{name} '{default_levels_text(name)}'" for name in names)
     add(
         "--levels",
         default=None,
         help="comma-separated levels, mildest first, as the compressor reads them (PowerSGD "
-        f"ranks, top-k fractions, ...); default the compressor's own: {defaults}",
+        f"ranks, top-k fractions, ...); default without --compressor '{ladder}', else the "
+        f"compressor's own: {defaults}",
     )
     add(
         "--bandwidth",

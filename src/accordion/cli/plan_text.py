@@ -20,6 +20,11 @@ def _bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _versus(ratio: float | None) -> str:
+    # bytes over dense's: 3 significant figures, so that 0.258x and 0.00215x both read
+    return "-" if ratio is None else f"{ratio:.3g}x"
+
+
 def _plan_header(args: argparse.Namespace, summary: dict[str, Any]) -> str:
     """The plan's first line: the model, its size, the workers and the steps."""
     classes = "" if summary["num_classes"] is None else f", {summary['num_classes']} classes"
@@ -37,16 +42,16 @@ def _print_plan(args: argparse.Namespace, summary: dict[str, Any], rows, layer_r
     print(_plan_header(args, summary))
     print(
         f"link {args.bandwidth}, latency {args.latency}: alpha-beta model, ring collectives; "
-        "floats per worker in the paper's convention"
+        "floats per worker in the paper's convention; vs dense: wire bytes over dense's"
     )
-    header = ("level", "floats/step", "floats total", "bytes/step", "ratio", "comm ms/step")
+    header = ("level", "floats/step", "floats total", "bytes/step", "vs dense", "comm ms/step")
     table = [
         (
             row.label,
             f"{row.floats_per_step:,.0f}",
             _human(row.floats_total),
             _bytes(row.bytes_per_step),
-            f"{row.compression_ratio:.1f}x",
+            _versus(row.bytes_vs_dense),
             f"{row.comm_time_per_step_s * 1e3:.3f}",
         )
         for row in rows
@@ -91,13 +96,13 @@ def _marked(value: float, dense: float, text: str) -> str:
 
 def _print_scaling(args: argparse.Namespace, summary: dict[str, Any], cells) -> None:
     """The human form of a grid: predicted communication ms per step of each level at each
-    worker count and link rate, and the bytes per worker at each worker count; a star marks
-    a figure above dense's."""
+    worker count and link rate, and the bytes per worker at each worker count, as bytes
+    and against dense's; a star marks a figure above dense's."""
     print(_plan_header(args, summary))
     rates = [item.strip() for item in args.bandwidth.split(",")]
     print(
         f"links {', '.join(rates)}, latency {args.latency}: alpha-beta model, ring collectives "
-        "(all-reduce 2(W-1)a + 2(W-1)/W S/B, all-gather (W-1)a + (W-1) s/B); "
+        "(all-reduce and two-phase 2(W-1)a + 2(W-1)/W S/B, all-gather (W-1)a + (W-1) s/B); "
         "* more than dense"
     )
     labels = [row.label for row in cells[0].rows]
@@ -117,6 +122,15 @@ def _print_scaling(args: argparse.Namespace, summary: dict[str, Any], cells) -> 
         [
             (label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
                               _bytes(c.rows[j].bytes_per_step)) for c in per_workers))
+            for j, label in enumerate(labels)
+        ],
+    )  # fmt: skip
+    print("\nbytes/step per worker against dense's")
+    _print_table(
+        ("level", *(f"{c.workers} workers" for c in per_workers)),
+        [
+            (label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
+                              _versus(c.rows[j].bytes_vs_dense)) for c in per_workers))
             for j, label in enumerate(labels)
         ],
     )  # fmt: skip

@@ -114,8 +114,8 @@ __all__ = [
 
 def make_compressor(name: str, level: Any = None, **options: Any) -> Compressor:
     """Build the registered compressor ``name`` at ``level`` (its default mild level when
-    ``None``) with the shared ``options`` (``seed``, ``on_rank_change``, ``collective``): its class's
-    :meth:`Compressor.build`. A level that is not one of the compressor's (any but
+    ``None``) with the shared ``options`` (``seed``, ``on_rank_change``, ``collective``):
+    its class's :meth:`Compressor.build`. A level that is not one of the compressor's (any but
     ``None`` for ``dense``) is a ``ValueError``."""
     cls = compressor_class(name)
     if level is not None:

@@ -166,6 +166,11 @@ class Compressor(LevelLanguage, CostDescription):
         correction reads it); a compressor for which the record costs bytes on the wire
         sends them only while ``on``. Set by the :class:`Reducer` before each exchange."""
 
+    def set_local_size(self, local_size: int) -> None:  # noqa: B027 - optional: most are flat
+        """The workers a host of the next exchanges (ranks host after host; the
+        transport's). A compressor with a hierarchical exchange (full precision inside a
+        host, compressed across hosts) uses it; set by the :class:`Reducer`."""
+
     def reset(self, keys: Iterable[Hashable]) -> None:  # noqa: B027 - optional: no state by default
         """Forget warm-start state of ``keys`` (after a non-finite step). Levels stay."""
 

@@ -135,9 +135,11 @@ class CostDescription(ABC):
         """Where the compressor's levels stop paying against a dense ring all-reduce for
         a model of ``shapes`` at ``world_size`` workers (``element_size`` bytes per
         value), for ``accordion plan``; ``None`` when it has no such point for any model
-        (the default: :meth:`pays` decides per tensor, whatever the workers). A
-        compressor that has one returns a description for every model, an empty one
-        included, saying in it when there is no point."""
+        (the default: :meth:`pays` decides per tensor, whatever the workers, as for the
+        all-reduces and the integer quantisers' two phases, whose bytes against dense are
+        flat in the workers; top-k's all-gathers have one). A compressor that has one
+        returns a description for every model, an empty one included, saying in it when
+        there is no point."""
         return None
 
     @classmethod

@@ -76,6 +76,7 @@ class Mixed(Compressor):
         self._options = dict(options)
         self._parts: dict[str, Compressor] = {}
         self._noise = False  # what track_noise last said, for parts built later
+        self._local_size = 1  # what set_local_size last said, likewise
         # per key: the part that sent it at its last exchange, and at the one before
         self._senders: dict[Hashable, tuple[str, str | None]] = {}
 
@@ -166,7 +167,14 @@ class Mixed(Compressor):
         if name not in self._parts:
             self._parts[name] = compressor_class(name).build(None, **self._options)
             self._parts[name].track_noise(self._noise)
+            self._parts[name].set_local_size(self._local_size)
         return self._parts[name]
+
+    def set_local_size(self, local_size: int) -> None:
+        """Every part's :meth:`Compressor.set_local_size`, those built later included."""
+        self._local_size = local_size
+        for part in self._parts.values():
+            part.set_local_size(local_size)
 
     def track_noise(self, on: bool) -> None:
         """Every part's :meth:`Compressor.track_noise`, those built later included."""
@@ -245,6 +253,7 @@ class Mixed(Compressor):
         for name, part_state in parts.items():
             part = compressor_class(name).build(None, **self._options)
             part.track_noise(self._noise)
+            part.set_local_size(self._local_size)
             part.load_state_dict(part_state)
             loaded[name] = part
         self.default_level, self._levels, self._parts = default, levels, loaded

@@ -1,7 +1,6 @@
 """Integer quantisation: each worker sends its tensors as 8-, 4- or 2-bit integers with
-one fp16 scale per block, the workers all-gather them and average what they receive;
-and where its all-gathers stop paying against a dense ring all-reduce
-(:class:`QuantBreakEven`).
+one fp16 scale per block, and the workers average what they receive, in two phases or
+in one all-gather (see :class:`IntQuantizer`).
 
 Blocks are per row: a tensor is seen as ``[rows, cols]`` (:func:`block_layout`: its
 first dimension by all the others, so that a block never spans two output channels of
@@ -17,7 +16,11 @@ into its own whole bytes in call order (8 bits: one per byte; 4 bits: two per by
 first in the low nibble; 2 bits: four per byte, the first in the lowest bits), each
 stored as ``integer + 2**(bits - 1)`` (codes ``1 .. 2**bits - 1``); and one ``float16``
 tensor of the tensors' scales, row-major per tensor, in call order. The two travel in
-one phase of two all-gathers.
+one phase of two all-gathers. In two phases (``two_phase.py``) the call's tensors are
+laid end to end and cut into one chunk per worker, each chunk's packed integers and
+scales travelling as one row of bytes, in an all-to-all and then an all-gather: about
+``2 (W - 1) / W`` of the packed integers and scales per worker, flat in ``W``
+(:meth:`IntQuantizer.messages`), where the all-gather sends ``W - 1`` times them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -33,8 +35,8 @@ import torch
 from .._validate import check_choice, check_int
 from .base import COLLECTIVES, Compressor, Result, register
 from .transport import AllGather, Exchange, parallel
-from .two_phase import ServerErrors, two_phase_bytes, two_phase_exchange
-from .wire import Message, allgather_bytes, check_world_size
+from .two_phase import ServerErrors, hierarchical_bytes, two_phase_bytes, two_phase_exchange
+from .wire import Message, allgather_bytes
 
 #: Elements per block (of one row) that share one scale.
 BLOCK = 64
@@ -152,28 +154,6 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, shape: Sequence[int],
     return _unblocked(blocks * scales.to(dtype).view(*blocks.shape[:-1], 1), shape)
 
 
-@dataclass(frozen=True)
-class QuantBreakEven:
-    """Where integer quantisation stops paying for a model's tensors
-    (:meth:`IntQuantizer.break_even`), at ``workers`` workers.
-
-    ``max_workers[i]`` is the worker count at which ``bits[i]``-bit quantisation puts as
-    many bytes on the wire as one dense ring all-reduce of the same tensors
-    (``element_size`` bytes per value): it sends fewer below it, more above it, since
-    each worker's all-gathers grow with the workers and the all-reduce does not. ``None``
-    where quantisation compresses no tensor (a model with no entries).
-    """
-
-    workers: int
-    element_size: int
-    bits: tuple[int, ...]
-    max_workers: tuple[float, ...] | None
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of the break-even."""
-        return asdict(self)
-
-
 @register
 class IntQuantizer(Compressor):
     """Integer quantisation with per-row blocks of :data:`BLOCK` elements, each with one
@@ -218,20 +198,23 @@ class IntQuantizer(Compressor):
     #: Elements per block sharing one scale, and the scales' dtype (the two-phase codec).
     block: ClassVar[int] = BLOCK
     scale_dtype: ClassVar[torch.dtype] = SCALE_DTYPE
-    #: ``variance``: the residual variances Adam's noise correction reads; ``server_error``:
-    #: the two-phase exchange's (older files lack them).
-    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset({"variance", "server_error"})
+    #: ``variance``: the residual variances Adam's noise correction reads; ``server_error``
+    #: and ``shard_error``: the two-phase exchange's (older files lack them).
+    OPTIONAL_STATE_KEYS: ClassVar[frozenset[str]] = frozenset(
+        {"variance", "server_error", "shard_error"})
+    #: False: the two-phase owners drop their server error each step (an ablation: the
+    #: second quantisation's error is never paid back).
+    server_feedback: bool = True
 
     def __init__(self, bits: int = 8, collective: str = "auto"):
         super().__init__(bits)
         #: How payloads travel: ``"auto"``, ``"all_gather"`` or ``"two_phase"`` (the class).
         self.collective = check_choice("collective", collective, COLLECTIVES)
-        self._server = ServerErrors()
+        self._server = ServerErrors()  # the owner's second-compression errors
+        self._shards = ServerErrors()  # with hosts of several workers: the shards' errors
         self._noise = False  # whether the two-phase exchange sends the variance
-        # per key: the workers' summed residual variance per block, last exchange and the
-        # one before (residual_variance), and the tensor's shape
-        self._variance: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
-                                             tuple[int, ...]]] = {}  # fmt: skip
+        self._local_size = 1  # workers a host, as the transport says
+        self._variance = ResidualVariances()
 
     @classmethod
     def error_factor(cls, bits: int) -> float:
@@ -242,16 +225,7 @@ class IntQuantizer(Compressor):
     def residual_variance(self, key: Hashable, previous: bool = False) -> torch.Tensor | None:
         """Per element, ``error_factor(bits) * scale**2`` of its block summed over the
         workers, from the scales every rank received (see :class:`Compressor`)."""
-        entry = self._variance.get(key)
-        if entry is None:
-            return None
-        blocks, shape = entry[1] if previous else entry[0], entry[2]
-        if blocks is None:
-            return None
-        per = _blocked(torch.zeros(math.prod(shape), dtype=blocks.dtype, device=blocks.device),
-                       shape)  # fmt: skip
-        per += blocks.view(*per.shape[:-1], 1)
-        return _unblocked(per, shape).view(shape)
+        return self._variance.get(key, previous)
 
     @classmethod
     def _construct(cls, level: Any, options: Mapping[str, Any]) -> IntQuantizer:
@@ -264,59 +238,47 @@ class IntQuantizer(Compressor):
         (2 bytes a block), so that every rank has the average's error variance."""
         self._noise = bool(on)
 
+    def set_local_size(self, local_size: int) -> None:
+        """Exchange across hosts of ``local_size`` workers each: a full-precision average
+        inside a host, two compressed phases across hosts (see :func:`two_phase_exchange`)."""
+        self._local_size = check_int("local_size", local_size, 1)
+
     def reset(self, keys: Iterable[Hashable]) -> None:
-        """Forget the residual variances and server errors of ``keys`` (their memory was
-        reset)."""
+        """Forget the residual variances, server and shard errors of ``keys`` (their
+        memory was reset)."""
         keys = list(keys)
-        for key in keys:
-            self._variance.pop(key, None)
-        self._server.reset(keys)
+        for errors in (self._variance, self._server, self._shards):
+            errors.reset(keys)
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         super().rename(old, new)
-        if old in self._variance:
-            self._variance[new] = self._variance.pop(old)
-        self._server.rename(old, new)
+        for errors in (self._variance, self._server, self._shards):
+            errors.rename(old, new)
 
     def state_dict(self) -> dict[str, Any]:
         """Levels; per key the residual variances of its last two exchanges, so that a
         resumed run corrects Adam for the same noise (:meth:`residual_variance`); and the
-        two-phase server errors this rank owns."""
-        variance = {key: {"now": now.clone(), "before": None if before is None
-                          else before.clone(), "shape": list(shape)}
-                    for key, (now, before, shape) in self._variance.items()}  # fmt: skip
-        return {**super().state_dict(), "variance": variance,
-                "server_error": self._server.state_dict()}  # fmt: skip
+        two-phase server errors this rank owns (and its shards' errors, with hosts of
+        several workers)."""
+        return {**super().state_dict(), "variance": self._variance.state_dict(),
+                "server_error": self._server.state_dict(),
+                "shard_error": self._shards.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         default, levels = self._checked_levels(state)
-        variance = _checked_variances(state.get("variance", {}))
-        server = ServerErrors()
+        variance, server, shards = ResidualVariances(), ServerErrors(), ServerErrors()
+        variance.load_state_dict(state.get("variance", {}))
         server.load_state_dict(state.get("server_error", []))
+        shards.load_state_dict(state.get("shard_error", []))
         self.default_level, self._levels, self._variance = default, levels, variance
-        self._server = server
+        self._server, self._shards = server, shards
 
     def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
-        """:meth:`Compressor.check_shapes`, and each key's residual variances fit its
-        tensor: its shape, one entry per block of it."""
+        """:meth:`Compressor.check_shapes`, and each key's residual variances, server and
+        shard errors fit its tensor."""
         super().check_shapes(shapes)
-        for key, (now, _, shape) in self._variance.items():
-            if key not in shapes or tuple(shapes[key]) != shape:
-                raise ValueError(f"compressor variance[{key!r}] is for shape {shape}, not a "
-                                 f"tensor's: {shapes.get(key)}")  # fmt: skip
-            blocks = block_count(shape)
-            if now.numel() != blocks:
-                raise ValueError(f"compressor variance[{key!r}] has {now.numel()} blocks; a "
-                                 f"tensor of shape {shape} has {blocks}")  # fmt: skip
-        self._server.check_shapes(shapes)
-
-    def _record_variance(self, key: Hashable, scales: torch.Tensor, bits: int,
-                         shape: tuple[int, ...]) -> None:  # fmt: skip
-        """Keep ``key``'s summed residual variance per block from the gathered ``scales``
-        (``[W, blocks]``), and the last one as the previous."""
-        summed = scales.to(torch.float32).square().sum(0).mul_(self.error_factor(bits))
-        last = self._variance.get(key)
-        self._variance[key] = (summed, None if last is None else last[0], shape)
+        for errors in (self._variance, self._server, self._shards):
+            errors.check_shapes(shapes)
 
     @classmethod
     def check_level(cls, level: Any) -> int:
@@ -346,58 +308,26 @@ class IntQuantizer(Compressor):
     def paper_floats(cls, shape: tuple[int, ...], level: Any, world_size: int) -> int:
         """``ceil(numel * bits / 32) + blocks``: the packed integers as 32-bit floats'
         worth of bits, and each fp16 scale as one float (the paper has no quantiser; as
-        for dense, the all-gather's growth with ``world_size`` is not counted: the wire
-        bytes and :meth:`break_even` carry it)."""
+        for dense, the collective's factor of ``world_size`` is not counted: the wire
+        bytes carry it)."""
         bits = cls.check_level(level)
         return -(-math.prod(shape) * bits // 32) + block_count(shape)
 
     @classmethod
     def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
-        """Two all-gathers: the packed integers, ``ceil(numel * bits / 8)`` bytes, and the
-        scales, 2 bytes per block, whatever ``element_size``."""
+        """One share of the two-phase exchange (the default ``"auto"`` collective): the
+        packed integers, ``ceil(numel * bits / 8)`` bytes, and the scales, 2 bytes per
+        block, whatever ``element_size``; the wire carries ``2 (W - 1) / W`` of them at
+        any ``W`` (:func:`~accordion.compress.wire.ring_bytes`).
+
+        At two workers ``"auto"`` all-gathers instead, the same bytes. Not counted: the
+        padding of a call's last chunks (under one block per worker per call), the
+        variance that :meth:`track_noise` adds (2 bytes a block of the all-gather), and a
+        compressor built with ``collective="all_gather"``, which sends ``W - 1`` times the
+        payload (the ledger prices the class, not the instance)."""
         bits = cls.check_level(level)
-        return [Message("allgather", "values", packed_bytes(math.prod(shape), bits)),
-                Message("allgather", "scales", SCALE_BYTES * block_count(shape))]  # fmt: skip
-
-    @classmethod
-    def break_even(
-        cls, shapes: Sequence[Sequence[int]], world_size: int, element_size: int = 4
-    ) -> QuantBreakEven:
-        """The worker count at which each bit width sends as many wire bytes as dense for
-        the tensors of ``shapes``, of ``element_size``-byte values.
-
-        Per worker, ``b`` bits send ``(W - 1) n_b`` bytes (all-gathers of ``n_b`` bytes:
-        :meth:`messages`, summed over the tensors), a ring all-reduce ``2 (W - 1) / W * D``
-        (``D`` dense bytes): equal at ``W = 2 D / n_b``, about ``2 e / (b / 8 + 2 / 64)``
-        for full blocks. One worker sends nothing either way.
-        """
-        check_world_size(world_size)
-        check_int("element_size", element_size, 1)
-        dims = [tuple(int(d) for d in s) for s in shapes]
-        dense = sum(math.prod(s) for s in dims) * element_size
-        widths = cls.bit_widths
-        if not dense:
-            return QuantBreakEven(world_size, element_size, widths, None)
-        sent = [sum(m.nbytes for s in dims for m in cls.messages(s, b, element_size))
-                for b in widths]  # fmt: skip
-        return QuantBreakEven(world_size, element_size, widths, tuple(2 * dense / n for n in sent))
-
-    @classmethod
-    def break_even_text(cls, entry: Mapping[str, Any], labels: Sequence[str]) -> str:
-        """Each bit width's break-even worker count and each level's bytes against dense."""
-        w = entry["workers"]
-        head = f"{cls.title} break-even at {w} worker{'s' if w != 1 else ''}: "
-        if entry["max_workers"] is None:
-            return head + f"none ({cls.title} compresses no tensor)"
-        points = ", ".join(f"{cls.label(b)} below {n:.3g} workers"
-                           for b, n in zip(entry["bits"], entry["max_workers"]))  # fmt: skip
-        ratios = [f"{ratio:.3g}x" for ratio in entry["bytes_vs_dense"]]
-        levels = ", ".join(f"{label} {ratio}" for label, ratio in zip(labels, ratios))
-        return (
-            f"{head}{points} send fewer bytes than a dense ring all-reduce of "
-            f"{entry['element_size']}-byte values\n  (all-gathers of the packed integers and "
-            f"fp16 scales grow with the workers); bytes against dense: {levels}"
-        )
+        payload = packed_bytes(math.prod(shape), bits) + SCALE_BYTES * block_count(shape)
+        return [Message("twophase", "codes", payload)]
 
     def exchange(
         self,
@@ -423,7 +353,11 @@ class IntQuantizer(Compressor):
                 gathered.extend(ix)
         if gathered:
             spans.append(gathered)
-            exchanges.append(self._all_gather(keys, tensors, gathered, out))
+            exchanges.append(_all_gather(type(self), [keys[i] for i in gathered],
+                                         [tensors[i] for i in gathered],
+                                         [self.level(keys[i]) for i in gathered],
+                                         self._variance,
+                                         None if out is None else [out[i] for i in gathered]))
         replies = yield from parallel(*exchanges)
         results: Result = [None] * len(tensors)  # type: ignore[list-item]
         for ix, reply in zip(spans, replies):
@@ -434,15 +368,27 @@ class IntQuantizer(Compressor):
     def two_phase_pays(self, numels: Sequence[int], bits: int, world_size: int) -> bool:
         """Whether tensors of ``numels`` elements at ``bits`` bits travel in two phases at
         ``world_size`` workers: as :attr:`collective` says, or for ``"auto"`` where that
-        sends fewer bytes than one all-gather (from three workers on, but for calls of a
-        few elements on many workers, whose chunks are mostly padding)."""
+        puts fewer bytes on the wire than one all-gather (from three workers on, or two
+        hosts of several workers, but for calls of a few elements on many workers, whose
+        chunks are mostly padding); with hosts of several workers, the bytes across hosts."""
         if self.collective != "auto":
             return self.collective == "two_phase"
-        total = sum(numels)
-        phases = two_phase_bytes(total, bits, world_size, BLOCK, SCALE_BYTES,
-                                 variance=self._noise)  # fmt: skip
+        total, hosts = sum(numels), self._hosts(world_size)
+        if hosts < world_size:
+            phases = hierarchical_bytes(total, bits, world_size, self._local_size, BLOCK)[1]
+        else:
+            phases = two_phase_bytes(total, bits, world_size, BLOCK, SCALE_BYTES,
+                                     variance=self._noise)  # fmt: skip
         payload = sum(packed_bytes(n, bits) + SCALE_BYTES * block_count((n,)) for n in numels)
         return phases < allgather_bytes(payload, world_size)
+
+    def _hosts(self, world_size: int) -> int:
+        """The hosts the exchange runs across: ``world_size`` workers of ``local_size`` a
+        host where that makes two hosts or more, else every worker its own."""
+        local = self._local_size
+        if 1 < local < world_size and world_size % local == 0:
+            return world_size // local
+        return world_size
 
     def _two_phase(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
                    ix: Sequence[int], bits: int, world_size: int,
@@ -450,66 +396,32 @@ class IntQuantizer(Compressor):
         """The tensors ``ix`` (one bit width) averaged by :func:`two_phase_exchange`."""
         part, part_keys = [tensors[i] for i in ix], [keys[i] for i in ix]
         numels = [m.numel() for m in part]
+        hosts = self._hosts(world_size)
+        local = world_size // hosts
         chunk = -(-sum(numels) // (world_size * BLOCK)) * BLOCK
-        error = self._server.get(part_keys, numels, world_size, chunk)
+        layout = (part_keys, numels, world_size, local)
+        keep = self.server_feedback  # off: no server error kept nor added (the ablation)
+        error = self._server.get(*layout, chunk) if keep else None
+        shard = self._shards.get(*layout, hosts * chunk) if local > 1 else None
         result = yield from two_phase_exchange(type(self), part, bits, world_size, error,
-                                               variance=self._noise)  # fmt: skip
-        self._server.put(part_keys, numels, world_size, result.server_error)
+                                               variance=self._noise, local_size=local,
+                                               shard_error=shard)  # fmt: skip
+        if keep:
+            self._server.put(*layout, result.server_error)
+        if result.shard_error is not None:
+            self._shards.put(*layout, result.shard_error)
         results: Result = []
         offset = 0
         for i, m in zip(ix, part):
             n = m.numel()
             average = result.average[offset : offset + n].view(m.shape)
             if result.variance is not None:
-                self._record_element_variance(keys[i], result.variance[offset : offset + n],
-                                              tuple(m.shape))  # fmt: skip
+                self._variance.record_elements(keys[i], result.variance[offset : offset + n],
+                                               tuple(m.shape))  # fmt: skip
             average = average.to(m.dtype) if out is None else out[i].copy_(average)
             results.append((average, m))
             offset += n
         return results
-
-    def _all_gather(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
-                    ix: Sequence[int], out: Sequence[torch.Tensor] | None) -> Exchange[Result]:
-        """The tensors ``ix`` averaged from one all-gather of their packed integers and
-        one of their scales."""
-        bits = [self.level(keys[i]) for i in ix]
-        payload, scales = [], []
-        for i, b in zip(ix, bits):
-            packed, s = self.encode(tensors[i], b)  # the tensor becomes its residual
-            payload.append(packed)
-            scales.append(s)
-        sent, sent_scales = torch.cat(payload), torch.cat(scales)
-        if sent.numel() or sent_scales.numel():
-            gathered, gathered_scales = yield [AllGather(sent), AllGather(sent_scales)]
-        else:  # only empty tensors: nothing to send (alike on every rank)
-            gathered, gathered_scales = sent.unsqueeze(0), sent_scales.unsqueeze(0)
-        results: Result = []
-        offset = scale_offset = 0
-        for i, b in zip(ix, bits):
-            m = tensors[i]
-            nbytes, nscales = packed_bytes(m.numel(), b), block_count(m.shape)
-            own = gathered_scales[:, scale_offset : scale_offset + nscales]
-            each = self.decode(gathered[:, offset : offset + nbytes], own, m.shape, b,
-                               wide_dtype(m.dtype))  # fmt: skip
-            self._record_variance(keys[i], own, b, tuple(m.shape))
-            average = _mean_of_workers(each).view(m.shape)
-            if out is None:
-                average = average.to(m.dtype)
-            else:
-                average = out[i].copy_(average)
-            results.append((average, m))
-            offset, scale_offset = offset + nbytes, scale_offset + nscales
-        return results
-
-    def _record_element_variance(self, key: Hashable, per_element: torch.Tensor,
-                                 shape: tuple[int, ...]) -> None:  # fmt: skip
-        """Keep ``key``'s summed residual variance from one per element (the two-phase
-        exchange's blocks are the call's, not the tensor's): its mean over each of the
-        tensor's own blocks, and the last one as the previous."""
-        count = _blocked(torch.ones_like(per_element), shape).sum(-1)
-        pooled = (_blocked(per_element, shape).sum(-1) / count.clamp_min(1)).reshape(-1)
-        last = self._variance.get(key)
-        self._variance[key] = (pooled, None if last is None else last[0], shape)
 
     @classmethod
     def encode(cls, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,6 +440,38 @@ class IntQuantizer(Compressor):
         return dequantize(unpack(packed, bits, math.prod(shape)), scales, shape, dtype)
 
 
+def _all_gather(codec: type[IntQuantizer], keys: Sequence[Hashable],
+                tensors: Sequence[torch.Tensor], bits: Sequence[int],
+                variances: ResidualVariances,
+                out: Sequence[torch.Tensor] | None) -> Exchange[Result]:  # fmt: skip
+    """``tensors`` (each at its ``bits``; each becomes its residual) averaged from one
+    all-gather of their packed integers and one of their scales, every worker's payload
+    decoded and added worker 0 first; their residual variances recorded in ``variances``."""
+    payload, scales = [], []
+    for m, b in zip(tensors, bits):
+        packed, s = codec.encode(m, b)
+        payload.append(packed)
+        scales.append(s)
+    sent, sent_scales = torch.cat(payload), torch.cat(scales)
+    if sent.numel() or sent_scales.numel():
+        gathered, gathered_scales = yield [AllGather(sent), AllGather(sent_scales)]
+    else:  # only empty tensors: nothing to send (alike on every rank)
+        gathered, gathered_scales = sent.unsqueeze(0), sent_scales.unsqueeze(0)
+    results: Result = []
+    offset = scale_offset = 0
+    for i, (m, b) in enumerate(zip(tensors, bits)):
+        nbytes, nscales = packed_bytes(m.numel(), b), block_count(m.shape)
+        own = gathered_scales[:, scale_offset : scale_offset + nscales]
+        each = codec.decode(gathered[:, offset : offset + nbytes], own, m.shape, b,
+                            wide_dtype(m.dtype))  # fmt: skip
+        variances.record_blocks(keys[i], own, codec.error_factor(b), tuple(m.shape))
+        average = _mean_of_workers(each).view(m.shape)
+        average = average.to(m.dtype) if out is None else out[i].copy_(average)
+        results.append((average, m))
+        offset, scale_offset = offset + nbytes, scale_offset + nscales
+    return results
+
+
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a dequantised average is summed in: fp32, or ``dtype`` if wider."""
     return torch.promote_types(dtype, torch.float32)
@@ -542,23 +486,91 @@ def _mean_of_workers(each: torch.Tensor) -> torch.Tensor:
     return total.div_(each.shape[0])
 
 
-def _checked_variances(saved: Any) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
-                                                        tuple[int, ...]]]:  # fmt: skip
-    """A state's ``variance`` entries checked: per key a 1-D float tensor of one entry per
-    block (``now``), another like it or ``None`` (``before``) and the tensor's ``shape``."""
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"compressor variance must be a Mapping, got {type(saved).__name__}")
-    out = {}
-    for key, entry in saved.items():
-        fields = entry if isinstance(entry, Mapping) else {}
-        now, before, shape = fields.get("now"), fields.get("before"), fields.get("shape")
-        if not (isinstance(now, torch.Tensor) and now.dim() == 1 and now.is_floating_point()
-                and (before is None or (isinstance(before, torch.Tensor)
-                                        and before.shape == now.shape))
-                and isinstance(shape, list | tuple)
-                and all(type(n) is int and n >= 0 for n in shape)):  # fmt: skip
-            raise ValueError(f"compressor variance[{key!r}] must hold 'now' (a 1-D float tensor, "
-                             f"one entry per block), 'before' (None or the same) and 'shape' "
-                             f"(ints), got {entry!r:.80}")  # fmt: skip
-        out[key] = (now.clone(), None if before is None else before.clone(), tuple(shape))
-    return out
+class ResidualVariances:
+    """Per key, the workers' summed residual variance per block of its tensor, at its last
+    exchange and the one before, and the tensor's shape: what
+    :meth:`IntQuantizer.residual_variance` answers from (Adam's noise correction)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None,
+                                            tuple[int, ...]]] = {}  # fmt: skip
+
+    def get(self, key: Hashable, previous: bool = False) -> torch.Tensor | None:
+        """Per element of ``key``'s tensor (its shape), its block's variance; ``None``
+        where none was recorded."""
+        entry = self._entries.get(key)
+        blocks = None if entry is None else entry[1] if previous else entry[0]
+        if entry is None or blocks is None:
+            return None
+        shape = entry[2]
+        per = _blocked(torch.zeros(math.prod(shape), dtype=blocks.dtype, device=blocks.device),
+                       shape)  # fmt: skip
+        per += blocks.view(*per.shape[:-1], 1)
+        return _unblocked(per, shape).view(shape)
+
+    def record_blocks(self, key: Hashable, scales: torch.Tensor, factor: float,
+                      shape: tuple[int, ...]) -> None:  # fmt: skip
+        """Keep ``factor * sum_w scales[w]**2`` per block (``scales``: ``[W, blocks]``,
+        every worker's for ``key``), and the last record as the previous."""
+        self._keep(key, scales.to(torch.float32).square().sum(0).mul_(factor), shape)
+
+    def record_elements(self, key: Hashable, per_element: torch.Tensor,
+                        shape: tuple[int, ...]) -> None:  # fmt: skip
+        """Keep the mean over each block of the tensor of a variance given per element
+        (the two-phase exchange's blocks are the call's, not the tensor's)."""
+        count = _blocked(torch.ones_like(per_element), shape).sum(-1)
+        self._keep(key, (_blocked(per_element, shape).sum(-1) / count.clamp_min(1)).reshape(-1),
+                   shape)  # fmt: skip
+
+    def _keep(self, key: Hashable, blocks: torch.Tensor, shape: tuple[int, ...]) -> None:
+        last = self._entries.get(key)
+        self._entries[key] = (blocks, None if last is None else last[0], shape)
+
+    def reset(self, keys: Iterable[Hashable]) -> None:
+        """Forget ``keys``' records."""
+        for key in keys:
+            self._entries.pop(key, None)
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Move ``old``'s records to ``new``."""
+        if old in self._entries:
+            self._entries[new] = self._entries.pop(old)
+
+    def state_dict(self) -> dict[Hashable, dict[str, Any]]:
+        """Per key ``now``, ``before`` (tensors, or ``None``) and ``shape``."""
+        return {key: {"now": now.clone(), "before": None if before is None
+                      else before.clone(), "shape": list(shape)}
+                for key, (now, before, shape) in self._entries.items()}  # fmt: skip
+
+    def load_state_dict(self, saved: Any) -> None:
+        """Restore a :meth:`state_dict`: per key a 1-D float tensor of one entry per
+        block (``now``), another like it or ``None`` (``before``) and the tensor's
+        ``shape``; anything else is a ``ValueError`` and changes nothing."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"compressor variance must be a Mapping, got {type(saved).__name__}")
+        out = {}
+        for key, entry in saved.items():
+            fields = entry if isinstance(entry, Mapping) else {}
+            now, before, shape = fields.get("now"), fields.get("before"), fields.get("shape")
+            if not (isinstance(now, torch.Tensor) and now.dim() == 1 and now.is_floating_point()
+                    and (before is None or (isinstance(before, torch.Tensor)
+                                            and before.shape == now.shape))
+                    and isinstance(shape, list | tuple)
+                    and all(type(n) is int and n >= 0 for n in shape)):  # fmt: skip
+                raise ValueError(f"compressor variance[{key!r}] must hold 'now' (a 1-D float "
+                                 f"tensor, one entry per block), 'before' (None or the same) "
+                                 f"and 'shape' (ints), got {entry!r:.80}")  # fmt: skip
+            out[key] = (now.clone(), None if before is None else before.clone(), tuple(shape))
+        self._entries = out
+
+    def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
+        """Raise ``ValueError`` unless each key's records fit its tensor: its shape, one
+        entry per block of it."""
+        for key, (now, _, shape) in self._entries.items():
+            if key not in shapes or tuple(shapes[key]) != shape:
+                raise ValueError(f"compressor variance[{key!r}] is for shape {shape}, not a "
+                                 f"tensor's: {shapes.get(key)}")  # fmt: skip
+            blocks = block_count(shape)
+            if now.numel() != blocks:
+                raise ValueError(f"compressor variance[{key!r}] has {now.numel()} blocks; a "
+                                 f"tensor of shape {shape} has {blocks}")  # fmt: skip

@@ -55,9 +55,8 @@ class Reducer:
         if memory is None:
             memory = ErrorFeedback()
         if not isinstance(memory, ErrorFeedback | NoMemory):
-            raise TypeError(
-                f"memory must be ErrorFeedback, NoMemory or None, got {type(memory).__name__}"
-            )
+            raise TypeError(f"memory must be ErrorFeedback, NoMemory or None, got "
+                            f"{type(memory).__name__}")  # fmt: skip
         self.compressor = compressor
         self.memory = memory
         self._dense = compressor if isinstance(compressor, Dense) else Dense()
@@ -168,12 +167,13 @@ class Reducer:
         if unknown:
             raise ValueError(f"dense_keys {unknown[:5]} belong to no tensor of shapes")
 
-    def exchange(
-        self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int
-    ) -> Exchange[bool]:
-        """Average ``grads`` in place; the exchange returns whether the result was finite."""
+    def exchange(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], world_size: int,
+                 local_size: int = 1) -> Exchange[bool]:  # fmt: skip
+        """Average ``grads`` in place (``local_size`` workers a host); the exchange returns
+        whether the result was finite."""
         _check_gradients(keys, grads, world_size)
         self.compressor.track_noise(self.noise.on)
+        self.compressor.set_local_size(local_size)
         exchanges, order, owed = self._start(keys, grads, world_size)
         received: list[torch.Tensor] = []
         results = yield from _recording(parallel(*exchanges), received)

@@ -29,6 +29,7 @@ a :func:`private_group`), :func:`group_transport` one over a group as it is;
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -93,6 +94,32 @@ def scope_members(scope: str, rank: int, world_size: int, local_size: int) -> li
     if scope == "peers":
         return list(range(local, world_size, local_size))
     return list(range(world_size))
+
+
+def workers_per_host(requested: Any, process_group: Any = None) -> int:
+    """The workers a host of ``process_group`` (the default group for ``None``) for
+    ``requested``: an int as given (it must divide the world size), or ``"auto"``: on the
+    default group, ``torchrun``'s ``LOCAL_WORLD_SIZE`` where it is from 2 to half the world
+    size and divides it (two hosts or more, alike), else 1 (every worker its own host)."""
+    world = world_and_rank(process_group)[0]
+    if requested != "auto":
+        return check_local_size(requested, world)
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(text) if text.isdigit() else 1
+    if process_group is None and 1 < local <= world // 2 and world % local == 0:
+        return local
+    return 1
+
+
+def check_workers_per_host(value: Any) -> int | str:
+    """``value`` if it is ``"auto"`` or an int >= 1; else ``TypeError`` or ``ValueError``."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"workers_per_host must be 'auto' or an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"workers_per_host must be 'auto' or an int >= 1, got {value!r}")
+    return value
 
 
 def check_local_size(local_size: Any, world_size: int) -> int:
@@ -607,12 +634,12 @@ def group_transport(process_group: Any = None) -> TorchTransport | LocalTranspor
 
 
 def open_transport(
-    process_group: Any = None, timeout: timedelta | None = None, local_size: int = 1
+    process_group: Any = None, timeout: timedelta | None = None, local_size: int | str = 1
 ) -> TorchTransport | LocalTransport:
     """Accordion's transport over the ranks of ``process_group``: a :class:`TorchTransport`
-    on a :func:`private_group` of them, ``local_size`` workers a host (collective: every
-    rank must get here at the same point), or a :class:`LocalTransport` when no process
-    group is initialised."""
+    on a :func:`private_group` of them, ``local_size`` workers a host (``"auto"``:
+    :func:`workers_per_host`; collective: every rank must get here at the same point), or
+    a :class:`LocalTransport` when no process group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return LocalTransport()
     # A private copy of the group: the hook's phases are issued from completion
@@ -620,7 +647,8 @@ def open_transport(
     # DDP (e.g. find_unused_parameters) or the loop issue. It inherits the group's
     # timeout (or ``timeout``), so that a rank that disagrees raises after it instead of
     # blocking for 30 minutes.
-    return TorchTransport(private_group(process_group, timeout), local_size)
+    local = workers_per_host(local_size, process_group)
+    return TorchTransport(private_group(process_group, timeout), local)
 
 
 def private_group(process_group: Any, timeout: timedelta | None = None) -> Any:

@@ -19,6 +19,12 @@ Each worker sends ``W - 1`` chunks in each phase, about ``2 (W - 1) / W`` of its
 compressed buffer in all (:func:`two_phase_bytes`), what a ring all-reduce of compressed
 values would send, at any ``W``.
 
+Workers that share a host (``local_size`` > 1, ranks host after host) first average the
+buffer in full precision, each its ``1 / local_size`` shard (an all-to-all inside the
+host); each shard is compressed across hosts, the two phases running among the workers of
+one local rank; the results are all-gathered inside the host, still compressed. Only the
+bytes across hosts are compressed: inside a host links are 10-100x faster.
+
 Error feedback is two-level, as in 1-bit Adam: the *worker error* (the full-size residual
 of the first compression) is left in the caller's input, as every compressor leaves its
 residual; the server error (one chunk, ``1 / W`` of the buffer) is returned for the
@@ -136,20 +142,13 @@ def two_phase_exchange(
     shard_error: torch.Tensor | None = None,
 ) -> Exchange[TwoPhaseResult]:
     """Average ``tensors`` (this worker's compensated values, one dtype and device), laid
-    end to end, over ``world_size`` workers in two phases (see the module).
-
-    With ``local_size`` 1, each tensor becomes its residual (the worker error), in place.
-    With ``local_size`` > 1 workers a host (ranks host after host), the hosts' workers
-    first average the buffer in full precision, each its ``1 / local_size`` shard (an
-    all-to-all inside the host); the shards are compressed across hosts, the two phases
-    running among the workers of one local rank; the results are all-gathered inside the
-    host, still compressed. Only the cross-host phases are compressed; the worker error
-    is then the shard's (``shard_error`` in, the result's out) and the tensors become 0.
-
-    ``server_error`` (one chunk, or ``None`` for zeros) is this owner's from the last
-    exchange of the same layout. With ``variance``, the owner also sends, per block, the
-    root mean square of the first-phase scales (one more scale per block), and the result
-    has the variance."""
+    end to end, over ``world_size`` workers in two phases (see the module). With
+    ``local_size`` 1 each tensor becomes its residual (the worker error), in place; with
+    hosts of ``local_size`` > 1 workers (see the module) the worker error is the shard's
+    (``shard_error`` in, the result's out) and the tensors become 0. ``server_error`` (one
+    chunk, or ``None`` for zeros) is this owner's from the last exchange of the same
+    layout. With ``variance``, the owner also sends per block the RMS of the first-phase
+    scales (one more scale per block), and the result has the variance."""
     world_size = check_world_size(world_size)
     second = bits if second_bits is None else second_bits
     n = sum(t.numel() for t in tensors)
@@ -162,33 +161,20 @@ def two_phase_exchange(
         return TwoPhaseResult(empty, empty, None, None)
     _check_error("server_error", server_error, (chunk,), n, world_size)
     _check_error("shard_error", shard_error, (hosts * chunk,), n, world_size)
-    buffer = torch.zeros(world_size * chunk, dtype=dtype, device=device)
-    torch.cat([t.reshape(-1) for t in tensors], out=buffer[:n])
+    buffer = _laid_out(tensors, world_size * chunk, dtype)
+    work = buffer
     if local_size > 1:  # a full-precision reduce-scatter inside the host
         (received,) = yield [AllToAll(buffer.view(local_size, hosts * chunk), scope="host")]
         work = _mean_of_rows(received)
         if shard_error is not None:
             work.add_(shard_error)
-    else:
-        work = buffer
     packed, scales = codec.encode(work.view(hosts, chunk), bits)  # work: its residual
-    offset = 0
-    for t in tensors:  # the residual, or 0 where the shard keeps it
-        t.copy_(buffer[offset : offset + t.numel()].view(t.shape) if local_size == 1 else 0)
-        offset += t.numel()
+    _give_back(tensors, buffer if local_size == 1 else None)  # the shard keeps it: 0
     scope = "peers" if local_size > 1 else "world"
     (received,) = yield [AllToAll(_payload(hosts, packed, scales), scope=scope)]
-    first_scales = _scales(codec, received, chunk, bits)
-    own = codec.decode(received[:, : -(-chunk * bits // 8)], first_scales, (chunk,), bits, dtype)
-    total = _mean_of_rows(own)
-    if server_error is not None:
-        total.add_(server_error)
-    packed, scales = codec.encode(total.view(1, chunk), second)  # total: the server error
-    extra = []
-    if variance:  # one value per block: the RMS of the first scales, < fp16's max
-        rms = first_scales.to(dtype).square().mean(0).sqrt_()
-        extra.append(rms.to(codec.scale_dtype).view(torch.uint8))
-    (gathered,) = yield [AllGather(torch.cat([_payload(1, packed, scales)[0], *extra]), scope)]
+    total, sent = _owner_step(codec, received, chunk, (bits, second), dtype, server_error,
+                              variance)  # fmt: skip
+    (gathered,) = yield [AllGather(sent, scope)]
     if local_size > 1:  # every shard of the host, as sent: [local, hosts, bytes]
         (gathered,) = yield [AllGather(gathered, scope="host")]
         gathered = gathered.reshape(world_size, -1)
@@ -200,6 +186,45 @@ def two_phase_exchange(
         weight = codec.error_factor(bits) * world_size**2 / hosts  # the W**2 unit, per peer
         noise = _variance(codec, gathered, second_scales, weight, second, world_size)[:n]
     return TwoPhaseResult(average, total, work if local_size > 1 else None, noise)
+
+
+def _owner_step(codec: type[BlockCodec], received: torch.Tensor, chunk: int,
+                bits: tuple[int, int], dtype: torch.dtype, server_error: torch.Tensor | None,
+                variance: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The owner's work between the phases: the average in ``dtype`` of the chunks it
+    ``received`` (``[P, bytes]`` at ``bits[0]``) plus its ``server_error``, compressed at
+    ``bits[1]``.
+    Returns the new server error (one chunk) and the payload to all-gather (with each
+    block's RMS of the first scales after it, when ``variance``)."""
+    first, second = bits
+    first_scales = _scales(codec, received, chunk, first)
+    own = codec.decode(received[:, : -(-chunk * first // 8)], first_scales, (chunk,), first,
+                       dtype)  # fmt: skip
+    total = _mean_of_rows(own)
+    if server_error is not None:
+        total.add_(server_error)
+    packed, scales = codec.encode(total.view(1, chunk), second)  # total: the server error
+    extra = []
+    if variance:  # one value per block: the RMS of the first scales, < fp16's max
+        rms = first_scales.to(dtype).square().mean(0).sqrt_()
+        extra.append(rms.to(codec.scale_dtype).view(torch.uint8))
+    return total, torch.cat([_payload(1, packed, scales)[0], *extra])
+
+
+def _laid_out(tensors: Sequence[torch.Tensor], size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` end to end in a new buffer of ``size`` elements of ``dtype``, zeros after."""
+    buffer = torch.zeros(size, dtype=dtype, device=tensors[0].device)
+    torch.cat([t.reshape(-1) for t in tensors], out=buffer[: sum(t.numel() for t in tensors)])
+    return buffer
+
+
+def _give_back(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> None:
+    """Copy each tensor's part of ``buffer`` (laid out by :func:`_laid_out`) into it, or
+    zeros for ``None``."""
+    offset = 0
+    for t in tensors:
+        t.copy_(buffer[offset : offset + t.numel()].view(t.shape) if buffer is not None else 0)
+        offset += t.numel()
 
 
 def _check_error(name: str, error: torch.Tensor | None, shape: tuple[int, ...], n: int,
@@ -242,48 +267,51 @@ def _variance(codec: type[BlockCodec], gathered: torch.Tensor, second_scales: to
     return (first_weight * rms.square() + after).reshape(-1).repeat_interleave(codec.block)
 
 
-#: A two-phase call's layout: its keys, their element counts, and the world size.
-Layout = tuple[tuple[Hashable, ...], tuple[int, ...], int]
+#: A two-phase call's layout: its keys, their element counts, the world size and the
+#: workers a host.
+Layout = tuple[tuple[Hashable, ...], tuple[int, ...], int, int]
 
 
 class ServerErrors:
     """The server errors of one owner, one chunk per layout of a two-phase call (its keys
-    in order, their element counts and the world size): what the owner's second
-    compression did not send, added to its next average of the same layout.
+    in order, their element counts, the world size and the workers a host): what the
+    owner's second compression did not send, added to its next average of the same
+    layout. (With hosts of several workers, the shards' worker errors are kept alike.)
 
     A layout seen for the first time starts at zero and replaces the layouts that share a
     key with it: a call regrouped (a tensor's level changed, the buckets were rebuilt)
     loses its old server error, ``1 / W`` of the buffer's last rounding error. One from
-    another world size (a checkpoint resumed on more or fewer workers) is dropped with a
-    warning: its chunks belonged to other owners.
+    another world size or hosts of another size (a checkpoint resumed on more or fewer
+    workers) is dropped with a warning: its chunks belonged to other owners.
     """
 
     def __init__(self) -> None:
         self._errors: dict[Layout, torch.Tensor] = {}
 
     def get(self, keys: Sequence[Hashable], numels: Sequence[int], world_size: int,
-            chunk: int) -> torch.Tensor | None:  # fmt: skip
+            local_size: int, chunk: int) -> torch.Tensor | None:  # fmt: skip
         """The server error of this layout (``chunk`` elements), or ``None`` (zeros)."""
-        layout = (tuple(keys), tuple(numels), world_size)
+        layout = (tuple(keys), tuple(numels), world_size, local_size)
         found = self._errors.get(layout)
         if found is not None and found.numel() == chunk:
             return found
         stale = [old for old in self._errors if set(old[0]) & set(layout[0])]
-        worlds = sorted({old[2] for old in stale if old[2] != world_size})
+        worlds = sorted({old[2:] for old in stale if old[2:] != (world_size, local_size)})
         if worlds:
+            kept = "; ".join(f"{w} workers ({n} a host)" for w, n in worlds)
             warnings.warn(
-                f"two-phase server errors of {len(stale)} layout(s) dropped: kept on "
-                f"{worlds} workers, now {world_size} (their chunks belonged to other owners)",
-                RuntimeWarning, stacklevel=2,
+                f"two-phase server errors of {len(stale)} layout(s) dropped: kept on {kept}, "
+                f"now {world_size} workers ({local_size} a host): their chunks belonged to "
+                "other owners", RuntimeWarning, stacklevel=2,
             )
         for old in stale:
             del self._errors[old]
         return None
 
     def put(self, keys: Sequence[Hashable], numels: Sequence[int], world_size: int,
-            error: torch.Tensor) -> None:  # fmt: skip
+            local_size: int, error: torch.Tensor) -> None:  # fmt: skip
         """Keep ``error`` as this layout's server error."""
-        self._errors[(tuple(keys), tuple(numels), world_size)] = error
+        self._errors[(tuple(keys), tuple(numels), world_size, local_size)] = error
 
     def reset(self, keys: Iterable[Hashable]) -> None:
         """Forget the server errors of layouts holding any of ``keys``."""
@@ -292,14 +320,15 @@ class ServerErrors:
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Call the key ``old`` ``new`` in every layout."""
-        self._errors = {(tuple(new if k == old else k for k in keys), numels, world): error
-                        for (keys, numels, world), error in self._errors.items()}  # fmt: skip
+        self._errors = {(tuple(new if k == old else k for k in keys), *rest): error
+                        for (keys, *rest), error in self._errors.items()}  # fmt: skip
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Per layout its keys, element counts, world size and error (a tensor)."""
+        """Per layout its keys, element counts, world size, workers a host and error (a
+        tensor)."""
         return [{"keys": list(keys), "numels": list(numels), "world_size": world,
-                 "error": error.clone()}
-                for (keys, numels, world), error in self._errors.items()]  # fmt: skip
+                 "local_size": local, "error": error.clone()}
+                for (keys, numels, world, local), error in self._errors.items()]  # fmt: skip
 
     def load_state_dict(self, entries: Any) -> None:
         """Restore a :meth:`state_dict`; a malformed entry is a ``ValueError`` naming it,
@@ -311,22 +340,24 @@ class ServerErrors:
             fields = entry if isinstance(entry, Mapping) else {}
             keys, numels = fields.get("keys"), fields.get("numels")
             world, error = fields.get("world_size"), fields.get("error")
+            local = fields.get("local_size", 1)
             if not (isinstance(keys, list | tuple) and isinstance(numels, list | tuple)
                     and len(keys) == len(numels)
                     and all(type(n) is int and n >= 0 for n in numels)
                     and type(world) is int and world >= 1
+                    and type(local) is int and local >= 1
                     and isinstance(error, torch.Tensor) and error.dim() == 1
                     and error.is_floating_point()):  # fmt: skip
                 raise ValueError(f"server_error[{i}] must hold 'keys', 'numels' (as many "
-                                 f"ints >= 0), 'world_size' (an int >= 1) and 'error' (a 1-D "
-                                 f"float tensor), got {entry!r:.100}")  # fmt: skip
-            loaded[(tuple(keys), tuple(numels), world)] = error.clone()
+                                 f"ints >= 0), 'world_size' and 'local_size' (ints >= 1) and "
+                                 f"'error' (a 1-D float tensor), got {entry!r:.100}")  # fmt: skip
+            loaded[(tuple(keys), tuple(numels), world, local)] = error.clone()
         self._errors = loaded
 
     def check_shapes(self, shapes: Mapping[Hashable, Sequence[int]]) -> None:
         """Raise ``ValueError`` unless every layout's keys are tensors of ``shapes`` with
         its element counts."""
-        for keys, numels, _ in self._errors:
+        for keys, numels, *_ in self._errors:
             for key, n in zip(keys, numels):
                 if key not in shapes or math.prod(shapes[key]) != n:
                     raise ValueError(f"a server error is for {key!r} of {n} elements, not a "

@@ -2,16 +2,23 @@
 
 Pure arithmetic, no tensors: the compressors describe their traffic with it
 (:class:`Message`), and the accounting, the plan and the cost model sum it.
+
+A message travels in one of :data:`OPS`: ``"allreduce"`` (a ring all-reduce, flat in
+the workers), ``"allgather"`` (each worker's payload to every other, growing with them)
+or ``"twophase"`` (the two-phase compressed all-reduce of ``two_phase.py``: an
+all-to-all of compressed chunks to their owners, then an all-gather of the owners'
+compressed averages, flat in the workers like an all-reduce).
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .._validate import check_int
 
 #: The collectives a message can travel in.
-OPS = ("allreduce", "allgather")
+OPS = ("allreduce", "allgather", "twophase")
 
 
 def check_world_size(world_size: int) -> int:
@@ -29,6 +36,16 @@ def allgather_bytes(nbytes_per_worker: float, world_size: int) -> float:
     return float(world_size - 1) * nbytes_per_worker
 
 
+def two_phase_message_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one worker sends to average a compressed payload of ``nbytes`` (its whole
+    buffer, compressed) in two phases: ``W - 1`` of its ``W`` chunks in the all-to-all,
+    then its own chunk, averaged and compressed again, to the ``W - 1`` others:
+    ``2 (W - 1) / W * nbytes``, an all-reduce's (``nbytes`` at two workers, as an
+    all-gather; 0 at one). The padding of the last chunks to whole blocks is left out:
+    under one block per owner per call (``two_phase.two_phase_bytes`` counts it)."""
+    return allreduce_bytes(nbytes, world_size)
+
+
 def alltoall_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one worker sends in an all-to-all of ``nbytes`` (``W`` equal rows, one per
     destination): every row but its own, ``(W - 1) / W * nbytes``."""
@@ -39,19 +56,37 @@ def alltoall_bytes(nbytes: float, world_size: int) -> float:
 class Message:
     """One tensor's share of one collective per step.
 
-    ``op`` is ``"allreduce"`` or ``"allgather"``; ``slot`` names the collective that the
-    shares of all tensors of a bucket travel in together (PowerSGD's ``"P"`` and ``"Q"``,
-    say); ``nbytes`` is this tensor's payload in bytes (per worker for an all-gather).
+    ``op`` is one of :data:`OPS`; ``slot`` names the collective that the shares of all
+    tensors of a bucket travel in together (PowerSGD's ``"P"`` and ``"Q"``, say);
+    ``nbytes`` is this tensor's payload in bytes: what one worker hands the collective
+    (per worker for an all-gather; the compressed tensor for two phases), before any
+    ring factor.
     """
 
     op: str
     slot: str
     nbytes: float
 
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Message op must be one of {OPS}, got {self.op!r}")
+        if not isinstance(self.nbytes, numbers.Real) or isinstance(self.nbytes, bool):
+            raise TypeError(f"Message nbytes must be a number of bytes, got {self.nbytes!r}")
+        if not self.nbytes >= 0:
+            raise ValueError(f"Message nbytes must be >= 0 bytes, got {self.nbytes!r}")
+
+
+#: Bytes one worker sends per collective, from the payloads handed it (summed per op).
+_RING = {"allreduce": allreduce_bytes, "allgather": allgather_bytes,
+         "twophase": two_phase_message_bytes}  # fmt: skip
+
 
 def ring_bytes(messages: list[Message], world_size: int) -> float:
-    """Bytes one worker puts on the wire for ``messages`` under ring algorithms."""
+    """Bytes one worker puts on the wire for ``messages`` at ``world_size`` workers, ring
+    algorithms: ``2 (W - 1) / W`` of the all-reduced and the two-phase payloads, ``W - 1``
+    times the all-gathered ones."""
     # payloads summed per collective first: the ring factor applied once, as one call sends
-    reduced = sum(m.nbytes for m in messages if m.op == "allreduce")
-    gathered = sum(m.nbytes for m in messages if m.op == "allgather")
-    return allreduce_bytes(reduced, world_size) + allgather_bytes(gathered, world_size)
+    payload = dict.fromkeys(OPS, 0.0)
+    for m in messages:
+        payload[m.op] += m.nbytes
+    return sum(_RING[op](nbytes, world_size) for op, nbytes in payload.items())

@@ -67,5 +67,6 @@ def make_state(config: TrainConfig, strategy: Strategy, model: nn.Module,
         interval_unit=interval_unit,  # what the interval counts: epochs or steps
         statistic=config.statistic,
         seed=config.seed,
+        collective=strategy.collective,  # how integer quantisers' payloads travel
         **extra,
     )

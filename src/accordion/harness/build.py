@@ -21,7 +21,7 @@ from .attach import attach_strategy
 from .baselines import Traffic
 from .config import TrainConfig
 from .data import ClassificationData, LanguageData, SequenceData, load_task
-from .loop import Run, epoch_steps, step_compute
+from .loop import Run, epoch_steps, set_server_feedback, step_compute
 from .records import Logger
 from .strategies import Strategy, parse_strategy
 
@@ -47,6 +47,7 @@ def set_up(config: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     model = _build_model(config, data).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = attach_strategy(config, strategy, model, ddp)
+    set_server_feedback(state, strategy)
     calibrates = state is not None and strategy.auto and world > 1  # one worker: no link
     compute_s = None
     if calibrates or config.measure_compute:  # the same on every rank: collective

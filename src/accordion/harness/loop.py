@@ -23,6 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..adam_noise import AdamNoiseCorrection
 from ..batch import BatchSizeController, accumulation_loss_scale
 from ..calibration import measure_step_compute
+from ..compress.mixed import Mixed
+from ..compress.quantize import IntQuantizer
+from ..controller import Controller
 from ..ddp import AccordionState
 from ..diloco import DiLoCo
 from ..momentum_exchange import MomentumExchange
@@ -36,7 +39,7 @@ from .data import (
     language_batches,
 )
 from .records import Logger
-from .strategies import Strategy
+from .strategies import Strategy, two_phase_parts
 
 
 @dataclass
@@ -66,9 +69,22 @@ class Run:
     momentum: MomentumExchange | None = None
 
 
+def set_server_feedback(state: Controller | None, strategy: Strategy) -> None:
+    """The strategy's ``server-error=off``: ``server_feedback = False`` on the integer
+    quantisers ``state`` sends with (a mixed compressor's parts); nothing otherwise."""
+    if state is None or strategy.server_feedback:
+        return
+    compressor = state.compressor
+    for name in two_phase_parts(strategy.compressor, strategy.levels):
+        quantiser = compressor.part(name) if isinstance(compressor, Mixed) else compressor
+        if isinstance(quantiser, IntQuantizer):  # nq is one too: two_phase_parts names these
+            quantiser.server_feedback = False
+
+
 def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], float]:
     """Train and evaluate epoch ``epoch``; return its record and the training time so far (s)."""
     config, state, controller = run.config, run.state, run.controller
+    set_server_feedback(state, run.strategy)  # a loaded checkpoint rebuilt the compressor
     levels = state.levels() if state is not None else {}
     batch = global_batch(config, run.strategy, controller)
     steps_per_epoch = max(1, epoch_steps(run.data, config, run.world, batch))

@@ -28,6 +28,15 @@ A ``:auto`` suffix on a static or Accordion strategy (``accordion:powersgd:4,1:a
 turns the cost model on: before training the hook measures the link and the cost of
 compressing each tensor, and sends dense those for which compression does not pay.
 
+On a static or Accordion strategy whose compressor is an integer quantiser (``int``,
+``nq``, or a ``mixed`` ladder with such rungs: :func:`two_phase_compressors`),
+``collective=all_gather|two_phase|auto`` picks how their payloads travel (the state's
+``collective``; default ``auto``, whichever sends fewer bytes), e.g.
+``static:int:8:collective=all_gather``, ``accordion:mixed:int/8,int/4:collective=two_phase``;
+``server-error=off`` makes the two-phase owners drop their server error each step
+(``IntQuantizer.server_feedback = False``, an ablation), e.g.
+``static:int:4:collective=two_phase:server-error=off``.
+
 An Accordion strategy may also name its rule and its check interval (epochs, or steps
 with ``--interval-unit step``), in any
 order after the levels: ``accordion:powersgd:4,2,1:guarded:every=2`` (rules:
@@ -89,8 +98,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..compress import Compressor, compressing_names, compressor_class
-from ..compress.mixed import Mixed
+from ..compress import COLLECTIVES, Compressor, compressing_names, compressor_class
+from ..compress.mixed import Mixed, split_level
 from ..diloco_streaming import fragment_gap
 from ..policy import RULES, Ladder
 from ..policy.audit import check_tau
@@ -101,6 +110,8 @@ FORMATS = (
     "accordion:COMPRESSOR:MILD,...,AGGRESSIVE",
     "<static or accordion strategy>:auto",
     "<static or accordion strategy>:adam-noise",
+    "<static or accordion strategy>:collective=auto|all_gather|two_phase",
+    "<static or accordion strategy>:server-error=off",
     "static:COMPRESSOR:LEVEL[:adam-noise]:momentum=P/LEVEL[/ETA]",
     "accordion:COMPRESSOR:LEVELS[:RULE][:every=N][:block=N|decay][:open]",
     "torch-powersgd:R",
@@ -127,6 +138,21 @@ def strategy_compressors() -> tuple[str, ...]:
     """The compressors a static or Accordion strategy may name: every registered one but
     ``dense`` (which is its own strategy)."""
     return compressing_names()
+
+
+def two_phase_compressors() -> tuple[str, ...]:
+    """The compressors with a two-phase exchange (a ``server_feedback`` switch), which
+    ``collective=`` and ``server-error=`` apply to."""
+    return tuple(n for n in compressing_names() if hasattr(compressor_class(n), "server_feedback"))
+
+
+def two_phase_parts(compressor: str, levels: tuple[Any, ...]) -> tuple[str, ...]:
+    """The names of the compressors with a two-phase exchange that ``compressor`` at
+    ``levels`` sends with: itself, or a mixed ladder's parts (mildest first)."""
+    if compressor != Mixed.name:
+        return (compressor,) if compressor in two_phase_compressors() else ()
+    names = (split_level(level)[0].name for level in levels)
+    return tuple(dict.fromkeys(n for n in names if n in two_phase_compressors()))
 
 
 @dataclass(frozen=True)
@@ -173,6 +199,8 @@ class Strategy:
     min_sync_every: int | None = None  # the shortest round then (None: the schedule's default)
     max_sync_every: int | None = None  # the longest (None: the schedule's default)
     final_sync: bool = False  # DiLoCo: one last sync after training (DiLoCo.finish)
+    collective: str = "auto"  # how integer quantisers' payloads travel (the state's collective)
+    server_feedback: bool = True  # False: two-phase owners drop their server error (ablation)
 
     @property
     def streams(self) -> bool:
@@ -431,7 +459,8 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if family == "static":
         if len(items) != 1:
             raise _malformed(whole)
-        if set(options) - {"auto", "adam_noise", "momentum_freeze"}:
+        if set(options) - {"auto", "adam_noise", "momentum_freeze", "collective",
+                           "server_feedback"}:  # fmt: skip
             raise ValueError(
                 f"strategy {text!r}: a rule, interval, block or open needs an accordion strategy"
             )
@@ -439,7 +468,9 @@ def _parse_communication(text: str, whole: str) -> Strategy:
             freeze, level, eta = options["momentum_freeze"]
             options.update(momentum_freeze=freeze, momentum_level=_level(cls, level, text),
                            momentum_eta=eta)  # fmt: skip
-        return Strategy(text, "static", compressor, (_level(cls, items[0], text),), **options)
+        level = _level(cls, items[0], text)
+        _check_two_phase(compressor, (level,), options, text)
+        return Strategy(text, "static", compressor, (level,), **options)
     if "momentum_freeze" in options:
         raise ValueError(f"strategy {text!r}: momentum=P/LEVEL needs a static strategy")
     if len(items) < 2:
@@ -454,7 +485,23 @@ def _parse_communication(text: str, whole: str) -> Strategy:
     if options.get("reference", 0) >= len(items):
         raise ValueError(f"strategy {text!r}: ref={options['reference']} must be a rung of "
                          f"the ladder, 0 to {len(items) - 1}")  # fmt: skip
-    return Strategy(text, "accordion", compressor, _ladder(cls, items, text), **options)
+    ladder = _ladder(cls, items, text)
+    _check_two_phase(compressor, ladder, options, text)
+    return Strategy(text, "accordion", compressor, ladder, **options)
+
+
+def _check_two_phase(compressor: str, levels: tuple[Any, ...], options: dict[str, Any],
+                     whole: str) -> None:  # fmt: skip
+    """``collective=`` and ``server-error=`` need a compressor with a two-phase exchange
+    (:func:`two_phase_parts`): elsewhere they would change nothing."""
+    given = [s for k, s in (("collective", "collective="), ("server_feedback", "server-error="))
+             if k in options]  # fmt: skip
+    if given and not two_phase_parts(compressor, levels):
+        what = "is an option" if len(given) == 1 else "are options"
+        raise ValueError(f"strategy {whole!r}: {' and '.join(given)} {what} of the integer "
+                         f"quantisers' exchange: the compressor must be one of "
+                         f"{', '.join(two_phase_compressors())}, or {Mixed.name} with such "
+                         f"rungs; got {compressor!r}")  # fmt: skip
 
 
 def _is_budget(value: str) -> bool:
@@ -489,8 +536,9 @@ def _positive(text: str) -> float | None:
 
 
 def _options(items: list[str], whole: str) -> dict[str, Any]:
-    """The suffixes after the levels: ``auto``, a rule name, ``every=N``, ``block=N``,
-    ``open``, each at most once."""
+    """The suffixes after the levels: ``auto``, ``adam-noise``, a rule name, ``every=N``,
+    ``block=N``, ``open``, ``tau=X``, ``ref=N``, ``momentum=P/LEVEL[/ETA]``,
+    ``collective=C``, ``server-error=on|off``, each at most once."""
     counts = {"every": "interval", "block": "block"}  # suffix -> Strategy field
     options: dict[str, Any] = {}
     for item in items:
@@ -514,12 +562,17 @@ def _options(items: list[str], whole: str) -> dict[str, Any]:
             key, parsed = "reference", int(value)
         elif name == "momentum" and _freeze(value) is not None:
             key, parsed = "momentum_freeze", _freeze(value)
+        elif name == "collective" and value in COLLECTIVES:
+            key, parsed = "collective", value
+        elif name == "server-error" and value in ("on", "off"):
+            key, parsed = "server_feedback", value == "on"
         else:
             raise ValueError(
                 f"strategy {whole!r}: {item!r} is not a suffix: use auto, adam-noise, a rule "
                 f"({', '.join(RULES)}), every=N (N >= 1 epochs), block=N (N >= 1 checks), "
-                "block=decay, open, tau=X (0 < X <= 1), ref=N (N >= 0, a rung) or "
-                "momentum=P/LEVEL[/ETA] (1 <= P <= 99, percent of the run's steps; ETA > 0)"
+                "block=decay, open, tau=X (0 < X <= 1), ref=N (N >= 0, a rung), "
+                "momentum=P/LEVEL[/ETA] (1 <= P <= 99, percent of the run's steps; ETA > 0), "
+                f"collective=C (C one of {', '.join(COLLECTIVES)}) or server-error=off"
             )
         if key in options:
             raise ValueError(f"strategy {whole!r}: {item!r} repeats a suffix")
