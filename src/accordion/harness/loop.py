@@ -124,6 +124,8 @@ def run_epoch(run: Run, epoch: int, train_time: float) -> tuple[dict[str, Any], 
         "levels": levels,
         "step_times_s": step_times,
     }
+    if state is not None:  # what this process's transport handed to its collectives
+        record["counted_bytes"] = state.transport().bytes_sent
     if config.measure_compute:
         record["compute_step_s"] = run.compute_step_s
     return record, train_time
