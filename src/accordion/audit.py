@@ -60,8 +60,9 @@ def measured_step(controller: Any, keys: Sequence[str], grads: Sequence[torch.Te
     rule, reducer, ladder = controller.rule, controller.reducer, controller.ladder
     if "errors" in rule.needs:
         _count_errors(controller.ledger, set(keys) & set(compressed), len(ladder), world)
+        local = getattr(controller.transport(), "local_size", 1)  # the steps' layout
         return measured_exchange(keys, grads, reducer, world, rule.measured, compressed, ladder,
-                                 options)  # fmt: skip
+                                 options, local)  # fmt: skip
     reducer.noise.forget(keys)  # an audited step goes dense: no error to correct
     return audited_exchange(keys, grads, buffer, world, rule.measured, compressed, ladder,
                             options)  # fmt: skip
@@ -109,10 +110,10 @@ def rung_gaps(ladder: Ladder, keys: Sequence[str], tensors: Sequence[torch.Tenso
 
 def measured_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor], reducer: Reducer,
                       world: int, measured: Any, chosen: Sequence[str], ladder: Ladder,
-                      options: dict[str, Any]) -> Exchange[Any]:  # fmt: skip
-    """Before ``reducer``'s own exchange of ``grads``: for the keys in ``chosen``, the
-    squared error ``|C_r(a) - a|^2`` of this rank's error-fed accumulator ``a = g + e`` at
-    every rung, summed over the ranks in one all-reduce, handed to ``measured`` with each
+                      options: dict[str, Any], local_size: int = 1) -> Exchange[Any]:  # fmt: skip
+    """Before ``reducer``'s own exchange of ``grads`` (``local_size`` workers a host): for
+    the keys in ``chosen``, the squared error ``|C_r(a) - a|^2`` of this rank's error-fed
+    accumulator ``a = g + e`` at every rung, summed over the ranks in one all-reduce, handed to ``measured`` with each
     rung's wire bytes (L-GreCo's measurement: a rung that sends a key dense costs its
     dense bytes and errs by 0)."""
     wanted = set(chosen)
@@ -131,7 +132,7 @@ def measured_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor], reduce
                  for i, (_, g) in enumerate(picked)]  # fmt: skip
         measured({k: squares[:, i].tolist() for i, k in enumerate(names)},
                  dict(zip(names, sizes)))  # fmt: skip
-    return (yield from reducer.exchange(keys, grads, world))
+    return (yield from reducer.exchange(keys, grads, world, local_size))
 
 
 def _rung_bytes(ladder: Ladder, level: Any, tensor: torch.Tensor, dense: bool) -> float:

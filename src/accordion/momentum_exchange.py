@@ -126,8 +126,10 @@ class MomentumExchange(StepHooks):
         self.level: Any = level
         self.clip: float | None = clip
         self.loop_clip: float | None = loop_clip
-        #: The momenta's reducer: ``state``'s compressor at ``level``, its own memory.
-        self.reducer: Reducer = Reducer(cls.build(level, seed=state.seed), ErrorFeedback())
+        #: The momenta's reducer: ``state``'s compressor at ``level`` (and its collective),
+        #: its own memory.
+        self.reducer: Reducer = Reducer(cls.build(level, seed=state.seed,
+                                                  collective=state.collective), ErrorFeedback())
         self._costs = Costs()
         self._correction: AdamNoiseCorrection | None = getattr(optimizer, _HOOKED, None)
         self._frozen: dict[torch.Tensor, torch.Tensor] = {}  # per parameter: v / (1 - b2**t)
@@ -222,7 +224,8 @@ class MomentumExchange(StepHooks):
             keys = self.state.params.keys([p for p, _ in params])
             self._costs.record(self.state.ledger, keys, grads, world, self.reducer,
                                self.state.compressor_name)  # fmt: skip
-            transport.run(self.reducer.exchange(keys, grads, world))
+            transport.run(self.reducer.exchange(keys, grads, world,
+                                                getattr(transport, "local_size", 1)))
             for (p, _), grad, offset in zip(params, grads, offsets):
                 grad.sub_(offset.to(grad.dtype))
                 unseen = self._unseen.get(p)
