@@ -113,9 +113,9 @@ def measured_exchange(keys: Sequence[str], grads: Sequence[torch.Tensor], reduce
                       options: dict[str, Any], local_size: int = 1) -> Exchange[Any]:  # fmt: skip
     """Before ``reducer``'s own exchange of ``grads`` (``local_size`` workers a host): for
     the keys in ``chosen``, the squared error ``|C_r(a) - a|^2`` of this rank's error-fed
-    accumulator ``a = g + e`` at every rung, summed over the ranks in one all-reduce, handed to ``measured`` with each
-    rung's wire bytes (L-GreCo's measurement: a rung that sends a key dense costs its
-    dense bytes and errs by 0)."""
+    accumulator ``a = g + e`` at every rung, summed over the ranks in one all-reduce,
+    handed to ``measured`` with each rung's wire bytes (L-GreCo's measurement: a rung that
+    sends a key dense costs its dense bytes and errs by 0)."""
     wanted = set(chosen)
     picked = [(k, g) for k, g in zip(keys, grads) if k in wanted]
     if picked:
