@@ -1,11 +1,12 @@
 """The GPU check: is the Accordion hook correct on CUDA (NCCL), and what does it cost there?
 
 One process, world size 1, one device (``cuda:0``, NCCL; or the CPU with gloo). It prints
-two tables, the checks (model, dtype, check, value, PASS/FAIL) and the step times, writes
-them as JSON with ``--json PATH``, and exits with 1 when any check fails.
+three tables, the checks (model, dtype, check, value, PASS/FAIL), the step times and the
+two-phase exchange's compute rate, writes them as JSON with ``--json PATH``, and exits
+with 1 when any check fails.
 
     PYTHONPATH=src .venv/bin/python benchmarks/gpu_check.py --json runs/gpu_check.json
-    PYTHONPATH=src .venv/bin/python benchmarks/gpu_check.py --device cpu --quick   # ~20 s
+    PYTHONPATH=src .venv/bin/python benchmarks/gpu_check.py --device cpu --quick   # ~30 s
 
 **Correctness.** A small CNN (4-D, 2-D and 1-D gradients spread over several DDP
 buckets) trains 8 steps under DDP with the hook (``state.register(DDP(net))``), for
@@ -50,6 +51,22 @@ Top-k in bf16 runs at a static 0.99: bf16 magnitudes tie often, CPU and CUDA bre
 at the k-th value differently (both correct), and at 0.1 that alone moves the result by
 ~10% (measured with an emulated tie order); at 0.99 the tied entries are tiny (~1e-4).
 
+The quantisers (int8, int4, nq2) on the device: per quantiser, a matrix of 300 x 1000
+(40 x 1000 with ``--quick``; rows of 15 whole blocks and a partial one, scaled unevenly)
+drawn on the CPU goes through ``encode`` and ``decode`` on the device and on the CPU; the
+CPU's packed bytes are decoded on the device; and ``two_phase_exchange`` runs for 2
+rounds (the owners' server errors carried from the first to the second) on one worker
+(``LocalTransport``) and on four (``SimulatedTransport``), each worker with the matrix
+and a vector of 1001. The device's codes, scales, residuals, decoded values, averages
+and server errors must be the CPU's: ``"bitwise"`` where they are, else within
+:data:`CODEC_TOLERANCE` = 1e-4 of the input's norm (``|device - CPU| / |input|``, the
+worst tensor) with at most :data:`CODEC_FLIPS` = 0.1% of the code bytes or scales
+different. The integer quantiser should be bitwise (a block's maximum is exact, the
+division and products are IEEE); the RMS-scaled one sums squares in an order that
+differs by device, which can round a block's fp16 scale the other way (one fp16 step,
+2^-10) and re-code that block: ~1e-5 for a few blocks in 5,000. A wrong code or a lost
+residual is off by the block's step (~1e-2 of the input) or more.
+
 Streams and futures (CUDA): each case runs again with forward, backward and the
 optimizer step inside ``torch.cuda.stream(side)``: its result must be the loop path's
 for its own local gradients, and (cuDNN is made deterministic) the default stream run's.
@@ -68,20 +85,37 @@ batch 8), in fp32 with PyTorch's default precision settings, SGD with momentum. 
 configuration: dense DDP, our static PowerSGD rank 4, PyTorch's ``powerSGD_hook`` rank
 4 (``start_powerSGD_iter=2``; ``min_compression_rate=1``: it compresses every matrix on
 which rank 4 sends less than dense, which is every matrix of these models, as ours does;
-error feedback and warm start) and our Accordion 4/2/1 (the guarded rule, gathering
-its statistic every step). The step time is
+error feedback and warm start), our Accordion 4/2/1 (the guarded rule, gathering
+its statistic every step), PyTorch's ``bf16_compress_hook`` (on the CPU under another
+name: DDP refuses it by name without NCCL) and our static int8 in two phases
+(``AccordionState(net, "int", mild=8, aggressive=8, collective="two_phase")``; where the
+state takes no ``collective``, ``"int"`` alone, which all-gathers at world size 1). At
+world size 1 the collectives move nothing: the times are the hooks' compute and launch
+overhead. The step time is
 forward + backward with the hook + optimizer step, from CUDA events recorded at every
 step boundary (so gaps where the GPU waits for Python count), median over ``--steps``
 steps after ``--warmup``, in ``--reps`` rounds that interleave the configurations.
 Rows of the checks table say that each of the three hooks did compress (floats sent
 against dense: a hook that fell back to dense would make its timing moot).
 
+**Two-phase compute.** In one process on the device, ``two_phase_exchange`` of
+``--compute-numel`` fp32 elements a worker (25 M; 65,536 with ``--quick``) for W = 4
+and 8 workers through a ``SimulatedTransport``: every worker's quantisation, the owners'
+decoding, fp32 sum and re-quantisation, and every worker's decoding of the gathered
+averages, one worker after the other (the collectives are the transport's copies of the
+compressed bytes). The rate is GB/s of input, ``W x numel x 4`` bytes over the median
+time of 10 exchanges (2 with ``--quick``) after one, next to ``copy_`` of one worker's
+buffer (its 4 bytes an element read, over the time): what a worker's compute costs for
+each byte of gradient, at any W.
+
 **Budget** (H200, estimated; there was no GPU to measure it on): CUDA and NCCL start-up
 ~15 s; the correctness cases ~20 s (12 DDP runs of 8 steps of a tiny model and 18
-replays through the references, a few ms per step: they are launch-bound); the speed
-part, 3 models x 4 configurations x 2 rounds x (5 + 30) steps at <= 25 ms (ResNet-18),
-<= 60 ms (ResNet-50) and <= 120 ms (GPT-2, fp32 matmuls) per step: 2 x 35 x 4 x 0.2 s =
-60 s, plus ~1 s to build each of the 24 models: about 2 minutes in all. ``--budget``
+replays through the references, a few ms per step: they are launch-bound); the codec
+checks ~2 s; the compute table, 6 rows x 11 exchanges of W x 100 MB at >= 100 GB/s:
+< 10 s; the speed part, 3 models x 6 configurations x 2 rounds x (5 + 30) steps at
+<= 25 ms (ResNet-18), <= 60 ms (ResNet-50) and <= 120 ms (GPT-2, fp32 matmuls) per step:
+2 x 35 x 6 x 0.2 s = 85 s, plus ~1 s to build each of the 36 models: under 3 minutes in
+all. ``--budget``
 (default 240 s) skips the speed configurations not started by then, and ``--timeout``
 (default 290 s) ends a hung run with a traceback.
 """
@@ -93,6 +127,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import inspect
 import json
 import math
 import os
@@ -109,10 +144,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accordion.compress import LocalTransport, compressor_names
+from accordion.compress import LocalTransport, SimulatedTransport, compressor_names
+from accordion.compress.normalquant import NormalQuantizer
+from accordion.compress.quantize import IntQuantizer
+from accordion.compress.two_phase import two_phase_exchange
 from accordion.ddp import AccordionState
 from accordion.models import get_model
 from accordion.policy import Ladder, Observation, Rule
@@ -123,8 +162,27 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 CHECK_STEPS = 8  # 4 epochs of 2 steps: the climbing rule visits every rung of a 3-level ladder
 STEPS_PER_EPOCH = 2
 LR = 0.05
-SPEED_CONFIGS = ("dense DDP", "ours PowerSGD r4", "torch powerSGD_hook r4", "ours Accordion 4,2,1")
+SPEED_CONFIGS = ("dense DDP", "ours PowerSGD r4", "torch powerSGD_hook r4", "ours Accordion 4,2,1",
+                 "torch bf16_compress_hook", "ours int8 two-phase")  # fmt: skip
+#: The speed table's ratio columns: (configuration, the torch hook it is set against).
+SPEED_RATIOS = (("ours PowerSGD r4", "torch powerSGD_hook r4"),
+                ("ours Accordion 4,2,1", "torch powerSGD_hook r4"),
+                ("ours int8 two-phase", "torch bf16_compress_hook"))  # fmt: skip
+#: How "ours int8 two-phase" travels: in two phases where the state takes a ``collective``
+#: (at world size 1 "auto" would all-gather, which sends nothing either; the two phases'
+#: arithmetic is then still timed on the device by the compute table).
+INT8_COLLECTIVE = ("two_phase" if "collective" in inspect.signature(AccordionState).parameters
+                   else "auto")  # fmt: skip
+#: The quantisers of the codec checks and the compute table: (class, bit width).
+CODECS = ((IntQuantizer, 8), (IntQuantizer, 4), (NormalQuantizer, 2))
+#: Largest difference allowed between a quantiser's device and CPU results, relative to
+#: the input's norm (see the docstring); and the fraction of code bytes or scales that may
+#: differ (a scale rounded across an fp16 boundary re-codes its block).
+CODEC_TOLERANCE = 1e-4
+CODEC_FLIPS = 1e-3
 PASS, FAIL = "PASS", "FAIL"
+#: Workers simulated on one device by the compute table.
+COMPUTE_WORLDS = (4, 8)
 
 
 # --- results -------------------------------------------------------------------------------
@@ -132,10 +190,12 @@ PASS, FAIL = "PASS", "FAIL"
 
 @dataclass
 class Report:
-    """The checks and the speed rows, as printed and as written to JSON."""
+    """The checks, the speed rows and the two-phase compute rows, as printed and as
+    written to JSON."""
 
     checks: list[dict[str, Any]] = field(default_factory=list)
     speed: list[dict[str, Any]] = field(default_factory=list)
+    compute: list[dict[str, Any]] = field(default_factory=list)
 
     def check(self, model: str, dtype: str, name: str, value: str, ok: bool) -> None:
         self.checks.append({"model": model, "dtype": dtype, "check": name, "value": value,
@@ -469,6 +529,200 @@ def run_checks(device: torch.device, references: Mapping[Case, Reference], repor
                              f"{type(exc).__name__}: {exc}"[:200], False)  # fmt: skip
 
 
+# --- the quantisers on the device ----------------------------------------------------------
+
+
+def codec_inputs(workers: int, rows: int, seed: int) -> list[list[torch.Tensor]]:
+    """Per worker a matrix of ``rows`` x 1000 (rows of 15 whole blocks and one of 40
+    elements) and a vector of 1001, drawn on the CPU: Gaussian values whose rows differ
+    in scale (by ``exp`` of a Gaussian), so that the blocks' scales spread."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _ in range(workers):
+        matrix = torch.randn(rows, 1000, generator=gen) * torch.randn(rows, 1, generator=gen).exp()
+        inputs.append([matrix, torch.randn(1001, generator=gen)])
+    return inputs
+
+
+def codec_roundtrip(codec: type[IntQuantizer], bits: int,
+                    x: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``codec.encode`` of a copy of ``x`` and ``codec.decode`` of what it sends, on
+    ``x``'s device: the packed codes, the scales, the residual and the decoded values."""
+    residual = x.clone()
+    packed, scales = codec.encode(residual, bits)
+    decoded = codec.decode(packed.unsqueeze(0), scales.unsqueeze(0), x.shape, bits, torch.float32)
+    return {"codes": packed, "scales": scales, "residual": residual,
+            "decoded": decoded.view(x.shape)}  # fmt: skip
+
+
+def codec_two_phase(codec: type[IntQuantizer], bits: int,
+                    inputs: Sequence[Sequence[torch.Tensor]],
+                    rounds: int = 2) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``rounds`` two-phase exchanges of copies of ``inputs`` (per worker its tensors, on
+    one device), each owner's server error passed on to the next round; one worker runs
+    on a ``LocalTransport``, more on a ``SimulatedTransport``. Worker 0's average and
+    residuals, and every owner's last server error."""
+    world = len(inputs)
+    transport = LocalTransport() if world == 1 else SimulatedTransport(world)
+    errors: list[torch.Tensor | None] = [None] * world
+    out: dict[str, torch.Tensor] = {}
+    for r in range(rounds):
+        copies = [[t.clone() for t in tensors] for tensors in inputs]
+        exchanges = [two_phase_exchange(codec, tensors, bits, world, errors[w])
+                     for w, tensors in enumerate(copies)]  # fmt: skip
+        results = ([transport.run(exchanges[0])] if world == 1
+                   else transport.run(exchanges))  # fmt: skip
+        errors = [result.server_error for result in results]
+        out[f"average {r + 1}"] = results[0].average
+        out |= {f"residual {r + 1}.{i}": t for i, t in enumerate(copies[0])}
+    return out | {f"server error {w}": e for w, e in enumerate(errors)}
+
+
+def codec_difference(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                     norm: float) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """How far a device's results are from the CPU's: the largest ``|actual - expected|``
+    over the float tensors divided by ``norm`` (the input's norm; float64 on the CPU),
+    and per ``uint8`` or ``float16`` tensor (codes, scales) the fraction of its entries
+    that differ. A missing tensor, a shape or dtype mismatch or a non-finite value is
+    ``inf``."""
+    if set(actual) != set(expected):
+        return math.inf, {}
+    worst, flips = 0.0, {}
+    for key, ref in expected.items():
+        out = actual[key].detach().cpu()
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return math.inf, flips
+        if ref.dtype in (torch.uint8, torch.float16):  # wire bytes: compared entry by entry
+            differ = (out.view(torch.uint8) != ref.view(torch.uint8)).sum().item()
+            flips[key] = differ / max(ref.view(torch.uint8).numel(), 1)
+            continue
+        diff = torch.linalg.vector_norm(out.double() - ref.double()).item()
+        worst = max(worst, diff / norm if math.isfinite(diff) else math.inf)
+    return worst, flips
+
+
+def codec_verdict(error: float, flips: Mapping[str, float]) -> tuple[str, bool]:
+    """A codec check's value and verdict: ``"bitwise"`` where nothing differs, else the
+    error (against :data:`CODEC_TOLERANCE`) and the fractions of codes and scales that
+    differ (against :data:`CODEC_FLIPS`)."""
+    ok = within(error, CODEC_TOLERANCE) and all(f <= CODEC_FLIPS for f in flips.values())
+    if error == 0 and not any(flips.values()):
+        return "bitwise", ok
+    parts = [f"{error:.1e} of |input| (tol {CODEC_TOLERANCE:g})"]
+    parts += [f"{key} {f:.1e} differ" for key, f in flips.items() if f]
+    return "; ".join(parts), ok
+
+
+def _on(device: torch.device, nested: Any) -> Any:
+    """``nested`` (tensors in lists) copied to ``device``."""
+    if isinstance(nested, torch.Tensor):
+        return nested.to(device, copy=True)
+    return [_on(device, item) for item in nested]
+
+
+def check_codec(codec: type[IntQuantizer], bits: int, device: torch.device, rows: int,
+                report: Report) -> None:  # fmt: skip
+    """One quantiser's device results against the CPU's: encode and decode, the CPU's
+    bytes decoded on the device, and the two-phase exchange on one and four workers."""
+    where, model = device.type, f"codec {codec.label(bits)}"
+
+    def add(name: str, actual: Mapping, expected: Mapping, norm: float) -> None:
+        report.check(model, "fp32", name, *codec_verdict(*codec_difference(actual, expected,
+                                                                            norm)))  # fmt: skip
+
+    (matrix, vector), *_ = inputs = codec_inputs(4, rows, seed=3)
+    norm = torch.linalg.vector_norm(matrix.double()).item()
+    cpu = codec_roundtrip(codec, bits, matrix)
+    add(f"encode+decode on {where} = CPU", codec_roundtrip(codec, bits, matrix.to(device)), cpu,
+        norm)  # fmt: skip
+    sent = codec.decode(cpu["codes"].to(device).unsqueeze(0), cpu["scales"].to(device).unsqueeze(0),
+                        matrix.shape, bits, torch.float32)  # fmt: skip
+    add(f"CPU's bytes decoded on {where} = CPU", {"decoded": sent.view(matrix.shape)},
+        {"decoded": cpu["decoded"]}, norm)  # fmt: skip
+    norm = torch.linalg.vector_norm(torch.cat([matrix.reshape(-1), vector]).double()).item()
+    for world, transport in ((1, "LocalTransport"), (4, "SimulatedTransport")):
+        add(f"two-phase W={world} ({transport}, 2 rounds) on {where} = CPU",
+            codec_two_phase(codec, bits, _on(device, inputs[:world])),
+            codec_two_phase(codec, bits, inputs[:world]), norm)  # fmt: skip
+
+
+def run_codec_checks(device: torch.device, quick: bool, report: Report) -> None:
+    """:func:`check_codec` for every quantiser of :data:`CODECS`; an exception fails the
+    quantiser's row instead of ending the run."""
+    for codec, bits in CODECS:
+        try:
+            check_codec(codec, bits, device, 40 if quick else 300, report)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed check
+            report.check(f"codec {codec.label(bits)}", "fp32", "runs without error",
+                         f"{type(exc).__name__}: {exc}"[:200], False)  # fmt: skip
+
+
+# --- the two-phase compute on one device ---------------------------------------------------
+
+
+def _median_s(run: Callable[[], Any], before: Callable[[], Any], device: torch.device,
+              warmup: int, reps: int) -> float:  # fmt: skip
+    """Median seconds of ``run()`` (synchronised), ``before()`` untimed ahead of each."""
+    times = []
+    for i in range(warmup + reps):
+        before()
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_two_phase(codec: type[IntQuantizer], bits: int, world: int, numel: int,
+                   device: torch.device, warmup: int, reps: int) -> float:  # fmt: skip
+    """Median seconds of one two-phase exchange of ``numel`` fp32 elements per worker,
+    ``world`` workers simulated on ``device`` (every worker's arithmetic, one after the
+    other; the collectives are the ``SimulatedTransport``'s copies)."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    sources = [torch.randn(numel, generator=gen, device=device) for _ in range(world)]
+    inputs = [torch.empty_like(s) for s in sources]
+
+    def restore() -> None:  # each exchange leaves its residual in its input
+        for x, s in zip(inputs, sources):
+            x.copy_(s)
+
+    def exchange() -> None:
+        SimulatedTransport(world).run([two_phase_exchange(codec, [x], bits, world)
+                                       for x in inputs])  # fmt: skip
+
+    return _median_s(exchange, restore, device, warmup, reps)
+
+
+def time_copy(numel: int, device: torch.device, warmup: int, reps: int) -> float:
+    """Median seconds of ``copy_`` of ``numel`` fp32 elements on ``device``."""
+    source = torch.randn(numel, device=device)
+    target = torch.empty_like(source)
+    return _median_s(lambda: target.copy_(source), lambda: None, device, warmup, reps)
+
+
+def run_compute(device: torch.device, args: argparse.Namespace, report: Report) -> None:
+    """The compute table: every quantiser of :data:`CODECS` at :data:`COMPUTE_WORLDS`
+    workers, in GB/s of fp32 input, next to ``copy_``'s."""
+    numel, warmup, reps = args.compute_numel, 1, args.compute_reps
+    copy_s = time_copy(numel, device, warmup, max(reps, 5))
+    copy_rate = numel * 4 / copy_s / 1e9
+    for codec, bits in CODECS:
+        for world in COMPUTE_WORLDS:
+            label = codec.label(bits)
+            try:
+                seconds = time_two_phase(codec, bits, world, numel, device, warmup, reps)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check
+                report.check(f"two-phase {label}", "fp32", f"W={world} compute runs without "
+                             "error", f"{type(exc).__name__}: {exc}"[:200], False)  # fmt: skip
+                continue
+            rate = world * numel * 4 / seconds / 1e9
+            report.compute.append({"codec": label, "world_size": world, "numel": numel,
+                                   "ms": seconds * 1e3, "gb_per_s": rate,
+                                   "copy_gb_per_s": copy_rate})  # fmt: skip
+
+
 # --- the speed runs ------------------------------------------------------------------------
 
 
@@ -590,6 +844,16 @@ def speed_models(quick: bool) -> list[SpeedModel]:
     ]  # fmt: skip
 
 
+def net_is_cuda(net: nn.Module) -> bool:
+    """Whether ``net``'s parameters are on a CUDA device."""
+    return next(net.parameters()).is_cuda
+
+
+def _bf16_on_gloo(process_group, bucket):  # noqa: ANN001, ANN202 - DDP checks annotations' values
+    """PyTorch's ``bf16_compress_hook``, unchanged, under a name that DDP lets gloo run."""
+    return torch_default.bf16_compress_hook(process_group, bucket)
+
+
 def attach(config: str, net: nn.Module, ddp: DDP) -> Callable[[], float | None]:
     """Register ``config``'s hook; returns how to read its compression afterwards (dense
     floats over floats sent; ``None`` for dense DDP)."""
@@ -602,10 +866,18 @@ def attach(config: str, net: nn.Module, ddp: DDP) -> Callable[[], float | None]:
         )  # fmt: skip
         ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
         return lambda: float(state.compression_stats()[0])
+    if config == "torch bf16_compress_hook":
+        # DDP refuses the hook by its name on a build without NCCL; gloo runs it under another
+        hook = torch_default.bf16_compress_hook if net_is_cuda(net) else _bf16_on_gloo
+        ddp.register_comm_hook(None, hook)  # None: the default group
+        return lambda: 2.0  # it casts every fp32 bucket to bf16: 2 bytes a value for 4
     if config == "ours PowerSGD r4":
         ours = AccordionState(net, "powersgd", mild=4, aggressive=4)
     elif config == "ours Accordion 4,2,1":
         ours = AccordionState(net, "powersgd", levels=(4, 2, 1))
+    elif config == "ours int8 two-phase":
+        collective = {} if INT8_COLLECTIVE == "auto" else {"collective": INT8_COLLECTIVE}
+        ours = AccordionState(net, "int", mild=8, aggressive=8, **collective)
     else:
         raise ValueError(f"unknown configuration {config!r}")
     ours.register(ddp)
@@ -667,9 +939,10 @@ def run_speed(device: torch.device, args: argparse.Namespace, report: Report,
     for spec in speed_models(args.quick):
         medians: dict[str, list[float]] = {c: [] for c in SPEED_CONFIGS}
         compression: dict[str, float | None] = {}
+        failed: set[str] = set()
         for _ in range(args.reps):
             for config in SPEED_CONFIGS:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or config in failed:
                     continue  # the row says "skipped"
                 try:
                     ms, compression[config] = time_config(spec, config, device, args.warmup,
@@ -678,7 +951,7 @@ def run_speed(device: torch.device, args: argparse.Namespace, report: Report,
                 except Exception as exc:  # noqa: BLE001 - reported as a failed check
                     report.check(spec.name, "fp32", f"{config} runs without error",
                                  f"{type(exc).__name__}: {exc}"[:200], False)  # fmt: skip
-                    break
+                    failed.add(config)  # the other configurations still run
         _speed_rows(spec, medians, compression, report)
 
 
@@ -695,6 +968,8 @@ def _speed_rows(spec: SpeedModel, medians: Mapping[str, list[float]],
                              "ms_per_round": list(medians[config]), "vs_torch": ratio,
                              "compression": compression.get(config),
                              "skipped": not medians[config]})  # fmt: skip
+        if config == "ours int8 two-phase":
+            report.speed[-1]["collective"] = INT8_COLLECTIVE
         rate = compression.get(config)
         if config != "dense DDP" and ms[config] is not None:  # else the timing is moot
             report.check(spec.name, "fp32", f"{config} compresses",
@@ -729,13 +1004,26 @@ def print_report(report: Report, meta: Mapping[str, Any]) -> None:
         by_model.setdefault(row["model"], {})[row["config"]] = row
     rows = []
     for model, configs in by_model.items():
-        cells = [_ms(configs[c]["ms_per_step"]) for c in SPEED_CONFIGS]
-        ratios = [configs[c]["vs_torch"] for c in ("ours PowerSGD r4", "ours Accordion 4,2,1")]
-        rows.append([model, "fp32", *cells, *("-" if r is None else f"{r:.2f}x" for r in ratios)])
-    print(_table(["model", "dtype", *SPEED_CONFIGS, "ours r4 / torch r4",
-                  "Accordion / torch r4"], rows))  # fmt: skip
+        ms = {c: configs[c]["ms_per_step"] for c in SPEED_CONFIGS}
+        ratios = [ms[ours] / ms[theirs] if ms[ours] is not None and ms[theirs] else None
+                  for ours, theirs in SPEED_RATIOS]  # fmt: skip
+        rows.append([model, "fp32", *(_ms(ms[c]) for c in SPEED_CONFIGS),
+                     *("-" if r is None else f"{r:.2f}x" for r in ratios)])  # fmt: skip
+    print(_table(["model", "dtype", *SPEED_CONFIGS,
+                  *(f"{ours} / {theirs}" for ours, theirs in SPEED_RATIOS)], rows))  # fmt: skip
     for model, configs in by_model.items():
         print(f"  {model}: {next(iter(configs.values()))['size']}")
+    print(f"  ours int8 two-phase: collective={INT8_COLLECTIVE!r}")
+    if report.compute:
+        numel = report.compute[0]["numel"]
+        print(f"\nTwo-phase compute on one {meta['device']}: W workers simulated in one process "
+              f"(quantise, decode, fp32 sum, re-quantise, decode; the collectives are copies), "
+              f"{numel:,} fp32 elements a worker; GB/s of input (W x {numel:,} x 4 bytes over "
+              f"the time), median of {meta['compute_reps']} after 1")  # fmt: skip
+        print(_table(["codec", "W", "ms per exchange", "GB/s input", "copy_ GB/s", "/ copy_"],
+                     [[r["codec"], r["world_size"], f"{r['ms']:.1f}", f"{r['gb_per_s']:.2f}",
+                       f"{r['copy_gb_per_s']:.2f}", f"{r['gb_per_s'] / r['copy_gb_per_s']:.3f}x"]
+                      for r in report.compute]))  # fmt: skip
     failed = sum(r["status"] == FAIL for r in report.checks)
     print(f"\n{len(report.checks) - failed} of {len(report.checks)} checks passed "
           f"in {meta['elapsed_s']:.0f} s")  # fmt: skip
@@ -754,6 +1042,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="seconds after which speed configurations not started are skipped")
     parser.add_argument("--timeout", type=float, default=290.0,
                         help="seconds after which a hung run is ended with a traceback")
+    parser.add_argument("--compute-numel", type=int, default=None,
+                        help="fp32 elements a worker in the two-phase compute table "
+                             "(25,000,000; quick 65,536)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not cuda:
         parser.error("--device cuda, but CUDA is not available (use --device cpu)")
@@ -762,6 +1053,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # the torch hook compresses from its 3rd step (start_powerSGD_iter=2): warm-up covers it
     args.warmup = max(3, args.warmup if args.warmup is not None else (3 if quick else 5))
     args.reps = args.reps or (1 if quick else 2)
+    if args.compute_numel is None:
+        args.compute_numel = 65_536 if quick else 25_000_000
+    args.compute_reps = 2 if quick else 10
+    if args.compute_numel < 1:
+        parser.error(f"--compute-numel must be at least 1, got {args.compute_numel}")
     return args
 
 
@@ -770,6 +1066,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {"device": str(device), "device_name": name or "cpu", "torch": torch.__version__,
             "backend": "nccl" if device.type == "cuda" else "gloo", "quick": args.quick,
             "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
+            "compute_numel": args.compute_numel, "compute_reps": args.compute_reps,
             "python": platform.python_version()}  # fmt: skip
 
 
@@ -789,6 +1086,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 timeout=datetime.timedelta(seconds=120))  # fmt: skip
         try:
             run_checks(device, references, report)
+            run_codec_checks(device, args.quick, report)
+            run_compute(device, args, report)
             run_speed(device, args, report, deadline=start + args.budget)
         finally:
             dist.destroy_process_group()
@@ -799,7 +1098,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "passed": report.passed, "checks": report.checks,
-                       "speed": report.speed}, f, indent=1)  # fmt: skip
+                       "speed": report.speed, "compute": report.compute}, f,
+                      indent=1)  # fmt: skip
     return 0 if report.passed else 1
 
 

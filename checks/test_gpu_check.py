@@ -36,12 +36,12 @@ gpu_check = _load_script()
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    """The JSON report of ``--device cpu --quick`` (about 15 s on two cores)."""
+    """The JSON report of ``--device cpu --quick`` (about 30 s on two cores)."""
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--json", str(out),
-               "--timeout", "100"]  # fmt: skip
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+               "--timeout", "150"]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| model | dtype | check | value | status |" in proc.stdout  # the table was printed
     return json.loads(out.read_text())
@@ -58,15 +58,45 @@ def test_every_check_passes_on_the_cpu(report) -> None:
     assert report["meta"]["backend"] == "gloo"
 
 
+def test_every_quantiser_gives_the_cpus_result_bitwise_on_the_cpu(report) -> None:
+    rows = {(row["model"], row["check"]): row for row in report["checks"]}
+    for codec, bits in gpu_check.CODECS:
+        model = f"codec {codec.label(bits)}"
+        names = ["encode+decode on cpu = CPU", "CPU's bytes decoded on cpu = CPU",
+                 "two-phase W=1 (LocalTransport, 2 rounds) on cpu = CPU",
+                 "two-phase W=4 (SimulatedTransport, 2 rounds) on cpu = CPU"]  # fmt: skip
+        for name in names:
+            assert rows[(model, name)]["status"] == "PASS", (model, name)
+            assert rows[(model, name)]["value"] == "bitwise", (model, name)  # the same device
+
+
 def test_every_speed_row_has_a_time_and_a_ratio(report) -> None:
     rows = {(row["model"], row["config"]): row for row in report["speed"]}
     models = ["resnet18", "resnet50-like", "gpt2-small-like"]
     assert set(rows) == {(m, c) for m in models for c in gpu_check.SPEED_CONFIGS}
+    assert {"torch bf16_compress_hook", "ours int8 two-phase"} <= set(gpu_check.SPEED_CONFIGS)
     for (model, config), row in rows.items():
         assert row["ms_per_step"] > 0 and not row["skipped"], (model, config)
         if config != "dense DDP":
             assert row["compression"] > 1, (model, config)  # the hook did compress
     assert rows[("resnet18", "torch powerSGD_hook r4")]["vs_torch"] == pytest.approx(1.0)
+    assert rows[("resnet18", "torch bf16_compress_hook")]["compression"] == 2.0
+    assert rows[("resnet18", "ours int8 two-phase")]["collective"] == gpu_check.INT8_COLLECTIVE
+
+
+def test_the_state_takes_the_two_phase_collective() -> None:
+    assert gpu_check.INT8_COLLECTIVE == "two_phase"  # else the speed row all-gathers
+
+
+def test_every_quantiser_and_world_size_has_a_compute_rate_next_to_copy(report) -> None:
+    rows = {(row["codec"], row["world_size"]): row for row in report["compute"]}
+    labels = [codec.label(bits) for codec, bits in gpu_check.CODECS]
+    assert set(rows) == {(c, w) for c in labels for w in gpu_check.COMPUTE_WORLDS}
+    assert set(gpu_check.COMPUTE_WORLDS) == {4, 8}
+    for key, row in rows.items():
+        assert row["numel"] == 65_536 and row["ms"] > 0, key
+        assert row["gb_per_s"] == pytest.approx(key[1] * 65_536 * 4 / row["ms"] / 1e6), key
+        assert row["copy_gb_per_s"] > 0, key
 
 
 # A hook that silently sends everything dense (the state's public set_dense), while the
@@ -143,3 +173,27 @@ def test_a_failed_check_makes_the_report_fail() -> None:
     report.check("m", "fp32", "broken", "1.0", False)
     assert not report.passed
     assert [row["status"] for row in report.checks] == ["PASS", "FAIL"]
+
+
+def _roundtrip() -> dict[str, torch.Tensor]:
+    (matrix, _), *_ = gpu_check.codec_inputs(1, 8, seed=0)
+    return gpu_check.codec_roundtrip(gpu_check.IntQuantizer, 8, matrix), matrix
+
+
+def test_a_codec_result_within_rounding_passes_and_not_bitwise() -> None:
+    ref, matrix = _roundtrip()
+    norm = torch.linalg.vector_norm(matrix.double()).item()
+    close = dict(ref, residual=ref["residual"] * (1 + 1e-6))
+    value, ok = gpu_check.codec_verdict(*gpu_check.codec_difference(close, ref, norm))
+    assert ok and value != "bitwise"
+    assert gpu_check.codec_verdict(*gpu_check.codec_difference(ref, ref, norm)) == ("bitwise", True)
+
+
+def test_wrong_codes_a_lost_residual_or_a_missing_result_fail() -> None:
+    ref, matrix = _roundtrip()
+    norm = torch.linalg.vector_norm(matrix.double()).item()
+    flipped = dict(ref, codes=ref["codes"] ^ 1)  # every code one off: a packing bug
+    lost = dict(ref, residual=torch.zeros_like(ref["residual"]))  # error feedback dropped
+    for broken in (flipped, lost, {k: v for k, v in ref.items() if k != "scales"}):
+        error, flips = gpu_check.codec_difference(broken, ref, norm)
+        assert gpu_check.codec_verdict(error, flips)[1] is False
