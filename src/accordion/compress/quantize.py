@@ -402,7 +402,7 @@ class IntQuantizer(Compressor):
         layout = (part_keys, numels, world_size, local)
         keep = self.server_feedback  # off: no server error kept nor added (the ablation)
         error = self._server.get(*layout, chunk) if keep else None
-        shard = self._shards.get(*layout, hosts * chunk) if local > 1 else None
+        shard = self._shards.get(*layout, hosts * chunk)  # flat: drops stale shard errors
         result = yield from two_phase_exchange(type(self), part, bits, world_size, error,
                                                variance=self._noise, local_size=local,
                                                shard_error=shard)  # fmt: skip

@@ -395,7 +395,8 @@ class TorchTransport:
             return work.get_future(), lambda: received
         # A flat output is what both the old and the new name of this collective accept.
         flat = op.tensor.new_empty(members * op.tensor.numel())
-        work = self._all_gather(flat, op.tensor, group=group, async_op=True)
+        # gloo wants the input flat as the output: a [hosts, bytes] payload would be refused
+        work = self._all_gather(flat, op.tensor.reshape(-1), group=group, async_op=True)
         return work.get_future(), lambda: flat.view(members, *op.tensor.shape)
 
     def _issue_phase(self, phase: list[Collective]) -> tuple[list[torch.futures.Future], Callable]:
