@@ -107,7 +107,7 @@ def skip_reason(strategy: str, args: argparse.Namespace) -> str | None:
     """Why the harness refuses ``strategy`` on ``args.hosts`` workers here (e.g.
     ``torch-bf16`` without CUDA), or ``None``; builds nothing and reads no data."""
     try:
-        train_config(strategy, args).validate(world=args.hosts)
+        train_config(strategy, args).validate(world=args.hosts * args.workers_per_host)
     except (TypeError, ValueError) as exc:
         return str(exc)
     return None
@@ -327,7 +327,9 @@ def sweep(cluster, args, rates: list[str], skipped: dict[str, str], results, out
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--hosts", type=int, default=4, help="emulated hosts, one worker each (default 4)")
+    add("--hosts", type=int, default=4, help="emulated hosts (default 4)")
+    add("--workers-per-host", type=int, default=1,
+        help="workers a host, sharing its link (default 1)")  # fmt: skip
     add("--rates", nargs="+", default=["100mbit", "300mbit", "1gbit"], help="link rates")
     add(
         "--reference",
@@ -399,14 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "hosts": args.hosts, "epochs": args.epochs, "train_samples": args.train_samples,
+        "hosts": args.hosts, "workers_per_host": args.workers_per_host,
+        "epochs": args.epochs, "train_samples": args.train_samples,
         "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,
         "reference": args.reference, "delay": args.delay, "seed": args.seed,
         "probes": {}, "runs": {},
     }  # fmt: skip
     try:
         with (
-            EmulatedCluster(args.hosts, rates[0], args.delay)
+            EmulatedCluster(args.hosts, rates[0], args.delay,
+                            workers_per_host=args.workers_per_host)
             if args.repeats
             else contextlib.nullcontext() as cluster
         ):
