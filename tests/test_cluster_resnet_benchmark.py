@@ -151,7 +151,8 @@ def test_runs_use_the_librarys_default_statistic_unless_told(tmp_path):
 class FakeCluster:
     """Stands for EmulatedCluster: each run writes the metrics a real one would."""
 
-    def __init__(self, hosts, bandwidth, delay="0"):
+    def __init__(self, hosts, bandwidth, delay="0", workers_per_host=1):
+        self.workers_per_host = workers_per_host
         self.commands: list[list[str]] = []
         self.links: list[str] = []
 
