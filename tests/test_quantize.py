@@ -285,11 +285,15 @@ def test_the_bytes_sent_in_two_phases_are_what_messages_and_ring_accounting_say(
     assert world.bytes_sent == two_phase_bytes(1024, bits, 4, BLOCK)
 
 
-def test_messages_are_one_two_phase_share_of_packed_bytes_and_two_per_scale():
+def test_messages_are_one_two_phase_share_of_padded_rows_with_the_unpadded_all_gather():
     for element_size in (2, 4, 8):
         (message,) = IntQuantizer.messages((10, 100), 4, element_size)
-        assert (message.op, message.slot, message.nbytes) == ("twophase", "codes", 500 + 2 * 20)
-    assert [m.nbytes for m in IntQuantizer.messages((), 8, 4)] == [1 + 2]  # 3 bytes < 4: pays
+        # rows of 100 go in two blocks, 128 elements: 10 x 64 bytes at 4 bits
+        assert (message.op, message.slot, message.nbytes) == ("twophase", "codes", 640 + 2 * 20)
+        assert message.gathered == 500 + 2 * 20
+    (scalar,) = IntQuantizer.messages((), 8, 4)
+    assert (scalar.nbytes, scalar.gathered) == (64 + 2, 1 + 2)
+    assert IntQuantizer.pays((), 8)  # 3 bytes < 4 all-gathered
     assert IntQuantizer.paper_floats((10, 100), 4, 4) == 1000 * 4 // 32 + 20
     assert IntQuantizer.paper_floats((), 2, 4) == 1 + 1
 
@@ -306,7 +310,8 @@ def test_the_wire_bytes_against_dense_are_flat_in_the_workers_from_2_to_1024(bit
 def test_at_two_workers_the_accounting_is_the_all_gather_that_auto_chooses():
     shape = (16, 3, 3, 3)
     (message,) = IntQuantizer.messages(shape, 8, 4)
-    assert wire_bytes(shape, "int", 8, 2, 4) == allgather_bytes(message.nbytes, 2)
+    assert wire_bytes(shape, "int", 8, 2, 4) == allgather_bytes(message.gathered, 2)
+    assert wire_bytes(shape, "int", 8, 8, 4) == 2 * 7 / 8 * message.nbytes  # two phases
     assert not IntQuantizer(8).two_phase_pays([math.prod(shape)], 8, 2)
 
 

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._validate import check_choice, check_int
-from .base import COLLECTIVES, Compressor, Result, register
+from .base import COLLECTIVES, REFERENCE_ELEMENT_SIZE, Compressor, Result, check_shape, register
 from .transport import AllGather, Exchange, parallel
 from .two_phase import ServerErrors, hierarchical_bytes, two_phase_bytes, two_phase_exchange
 from .wire import Message, allgather_bytes
@@ -59,6 +59,12 @@ def block_layout(shape: Sequence[int]) -> tuple[int, int]:
         return 1, numel
     rows = shape[0]
     return rows, (numel // rows if rows else 0)
+
+
+def padded_numel(shape: Sequence[int]) -> int:
+    """Elements of a tensor of ``shape`` with each row padded to whole blocks: what the
+    two-phase exchange sends of it, :func:`block_count` times :data:`BLOCK`."""
+    return block_count(shape) * BLOCK
 
 
 def block_count(shape: Sequence[int]) -> int:
@@ -316,18 +322,29 @@ class IntQuantizer(Compressor):
     @classmethod
     def messages(cls, shape: tuple[int, ...], level: Any, element_size: int) -> list[Message]:
         """One share of the two-phase exchange (the default ``"auto"`` collective): the
-        packed integers, ``ceil(numel * bits / 8)`` bytes, and the scales, 2 bytes per
-        block, whatever ``element_size``; the wire carries ``2 (W - 1) / W`` of them at
-        any ``W`` (:func:`~accordion.compress.wire.ring_bytes`).
+        packed integers of its rows padded to whole blocks (:func:`padded_numel`), and
+        the scales, 2 bytes per block, whatever ``element_size``; the wire carries ``2 (W -
+        1) / W`` of them at any ``W`` (:func:`~accordion.compress.wire.ring_bytes`).
 
-        At two workers ``"auto"`` all-gathers instead, the same bytes. Not counted: the
+        It gives ``gathered``, the payload of the all-gather, unpadded: ``"auto"`` picks
+        the fewer bytes (the all-gather at two workers). Not counted: the
         padding of a call's last chunks (under one block per worker per call), the
         variance that :meth:`track_noise` adds (2 bytes a block of the all-gather), and a
         compressor built with ``collective="all_gather"``, which sends ``W - 1`` times the
         payload (the ledger prices the class, not the instance)."""
         bits = cls.check_level(level)
-        payload = packed_bytes(math.prod(shape), bits) + SCALE_BYTES * block_count(shape)
-        return [Message("twophase", "codes", payload)]
+        scales = SCALE_BYTES * block_count(shape)
+        return [Message("twophase", "codes", packed_bytes(padded_numel(shape), bits) + scales,
+                        gathered=packed_bytes(math.prod(shape), bits) + scales)]
+
+    @classmethod
+    def pays(cls, shape: Sequence[int], level: Any) -> bool:
+        """Whether the unpadded payload (the all-gather's) is below dense fp32: for every
+        tensor (3 bytes against 4 for a scalar at 8 bits); row padding is in the bytes."""
+        bits = cls.check_level(level)
+        numel = math.prod(check_shape(shape))
+        sent = packed_bytes(numel, bits) + SCALE_BYTES * block_count(shape)
+        return numel == 0 or sent < numel * REFERENCE_ELEMENT_SIZE
 
     def exchange(
         self,
@@ -346,7 +363,8 @@ class IntQuantizer(Compressor):
             widths.setdefault(self.level(key), []).append(i)
         spans, exchanges, gathered = [], [], []
         for bits, ix in widths.items():
-            if self.two_phase_pays([tensors[i].numel() for i in ix], bits, world_size):
+            if self.two_phase_pays([padded_numel(tensors[i].shape) for i in ix], bits,
+                                   world_size):  # fmt: skip
                 spans.append(ix)
                 exchanges.append(self._two_phase(keys, tensors, ix, bits, world_size, out))
             else:
@@ -393,9 +411,12 @@ class IntQuantizer(Compressor):
     def _two_phase(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
                    ix: Sequence[int], bits: int, world_size: int,
                    out: Sequence[torch.Tensor] | None) -> Exchange[Result]:  # fmt: skip
-        """The tensors ``ix`` (one bit width) averaged by :func:`two_phase_exchange`."""
+        """The tensors ``ix`` (one bit width) averaged by :func:`two_phase_exchange`, each
+        row padded to whole blocks, so that the exchange's blocks are the tensors' own (a
+        block of zeros, a row never updated, stays zeros: ``nq`` has no zero code)."""
         part, part_keys = [tensors[i] for i in ix], [keys[i] for i in ix]
-        numels = [m.numel() for m in part]
+        rows = [_blocked(m.reshape(-1), m.shape).reshape(-1) for m in part]  # views if unpadded
+        numels = [r.numel() for r in rows]
         hosts = self._hosts(world_size)
         local = world_size // hosts
         chunk = -(-sum(numels) // (world_size * BLOCK)) * BLOCK
@@ -403,7 +424,7 @@ class IntQuantizer(Compressor):
         keep = self.server_feedback  # off: no server error kept nor added (the ablation)
         error = self._server.get(*layout, chunk) if keep else None
         shard = self._shards.get(*layout, hosts * chunk)  # flat: drops stale shard errors
-        result = yield from two_phase_exchange(type(self), part, bits, world_size, error,
+        result = yield from two_phase_exchange(type(self), rows, bits, world_size, error,
                                                variance=self._noise, local_size=local,
                                                shard_error=shard)  # fmt: skip
         if keep:
@@ -412,12 +433,14 @@ class IntQuantizer(Compressor):
             self._shards.put(*layout, result.shard_error)
         results: Result = []
         offset = 0
-        for i, m in zip(ix, part):
-            n = m.numel()
-            average = result.average[offset : offset + n].view(m.shape)
-            if result.variance is not None:
-                self._variance.record_elements(keys[i], result.variance[offset : offset + n],
-                                               tuple(m.shape))  # fmt: skip
+        for i, m, r in zip(ix, part, rows):
+            n = r.numel()
+            if r.data_ptr() != m.data_ptr() or n != m.numel():  # padded: a copy
+                m.copy_(_unblocked(r, m.shape).view(m.shape))
+            average = _unblocked(result.average[offset : offset + n], m.shape).view(m.shape)
+            if result.variance is not None:  # uniform in each block: its first element
+                self._variance.record_blocks_of(keys[i], result.variance[offset : offset + n]
+                                                .view(-1, BLOCK)[:, 0], tuple(m.shape))  # fmt: skip
             average = average.to(m.dtype) if out is None else out[i].copy_(average)
             results.append((average, m))
             offset += n
@@ -514,13 +537,10 @@ class ResidualVariances:
         every worker's for ``key``), and the last record as the previous."""
         self._keep(key, scales.to(torch.float32).square().sum(0).mul_(factor), shape)
 
-    def record_elements(self, key: Hashable, per_element: torch.Tensor,
-                        shape: tuple[int, ...]) -> None:  # fmt: skip
-        """Keep the mean over each block of the tensor of a variance given per element
-        (the two-phase exchange's blocks are the call's, not the tensor's)."""
-        count = _blocked(torch.ones_like(per_element), shape).sum(-1)
-        self._keep(key, (_blocked(per_element, shape).sum(-1) / count.clamp_min(1)).reshape(-1),
-                   shape)  # fmt: skip
+    def record_blocks_of(self, key: Hashable, blocks: torch.Tensor,
+                         shape: tuple[int, ...]) -> None:  # fmt: skip
+        """Keep a summed variance given per block of the tensor (:func:`block_count`)."""
+        self._keep(key, blocks.to(torch.float32).clone(), shape)
 
     def _keep(self, key: Hashable, blocks: torch.Tensor, shape: tuple[int, ...]) -> None:
         last = self._entries.get(key)

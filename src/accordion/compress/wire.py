@@ -60,12 +60,15 @@ class Message:
     tensors of a bucket travel in together (PowerSGD's ``"P"`` and ``"Q"``, say);
     ``nbytes`` is this tensor's payload in bytes: what one worker hands the collective
     (per worker for an all-gather; the compressed tensor for two phases), before any
-    ring factor.
+    ring factor. A two-phase share may also give ``gathered``, its payload were it
+    all-gathered instead (no padding to whole blocks), when the sender picks whichever
+    costs less (the quantisers' ``"auto"``).
     """
 
     op: str
     slot: str
     nbytes: float
+    gathered: float | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -84,9 +87,15 @@ _RING = {"allreduce": allreduce_bytes, "allgather": allgather_bytes,
 def ring_bytes(messages: list[Message], world_size: int) -> float:
     """Bytes one worker puts on the wire for ``messages`` at ``world_size`` workers, ring
     algorithms: ``2 (W - 1) / W`` of the all-reduced and the two-phase payloads, ``W - 1``
-    times the all-gathered ones."""
+    times the all-gathered ones; two-phase shares that all give ``gathered`` cost the
+    fewer of their two ways (at two workers, the all-gather)."""
     # payloads summed per collective first: the ring factor applied once, as one call sends
     payload = dict.fromkeys(OPS, 0.0)
     for m in messages:
         payload[m.op] += m.nbytes
-    return sum(_RING[op](nbytes, world_size) for op, nbytes in payload.items())
+    total = sum(_RING[op](nbytes, world_size) for op, nbytes in payload.items())
+    phased = [m for m in messages if m.op == "twophase"]
+    if phased and all(m.gathered is not None for m in phased):
+        gathered = allgather_bytes(sum(m.gathered or 0.0 for m in phased), world_size)
+        total -= max(0.0, _RING["twophase"](payload["twophase"], world_size) - gathered)
+    return total
