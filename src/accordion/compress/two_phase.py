@@ -223,7 +223,10 @@ def _give_back(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> 
     zeros for ``None``."""
     offset = 0
     for t in tensors:
-        t.copy_(buffer[offset : offset + t.numel()].view(t.shape) if buffer is not None else 0)
+        if buffer is None:
+            t.zero_()
+        else:
+            t.copy_(buffer[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
 
 
@@ -320,8 +323,10 @@ class ServerErrors:
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Call the key ``old`` ``new`` in every layout."""
-        self._errors = {(tuple(new if k == old else k for k in keys), *rest): error
-                        for (keys, *rest), error in self._errors.items()}  # fmt: skip
+        renamed = {}
+        for (keys, numels, world, local), error in self._errors.items():
+            renamed[(tuple(new if k == old else k for k in keys), numels, world, local)] = error
+        self._errors = renamed
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Per layout its keys, element counts, world size, workers a host and error (a
