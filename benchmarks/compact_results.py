@@ -1,8 +1,9 @@
 """Merge ``accordion compare`` results into one compact file for ``docs/results/``.
 
 Each run keeps its configuration, seed, and its last epoch's record only (final metrics,
-floats, bytes, counted bytes), without per-step times or per-layer levels; the file is
-still a ``results.json`` that ``accordion compare --from FILE --baseline dense`` reads.
+floats, bytes, counted bytes), without per-step times, per-layer levels or the rule's
+per-check history (``checks``, kept as their number, ``check_count``); the file is still
+a ``results.json`` that ``accordion compare --from FILE --baseline dense`` reads.
 
     PYTHONPATH=src .venv/bin/python benchmarks/compact_results.py runs/s*/results.json \\
         --out docs/results/scaling-charlm-tiny-w4.json
@@ -24,13 +25,14 @@ BULKY = ("step_times_s", "levels")
 
 def compact(results: dict[str, Any]) -> dict[str, Any]:
     """``results`` (merged ``config`` and ``runs``) with each run's epochs cut to its last
-    record, that record without :data:`BULKY` keys."""
+    record, that record without :data:`BULKY` keys, and its checks counted, not kept."""
     runs = []
     for run in results["runs"]:
         if not run.get("epochs"):
             raise ValueError(f"run {run.get('strategy')!r} seed {run.get('seed')} has no epochs")
         last = {k: v for k, v in run["epochs"][-1].items() if k not in BULKY}
-        runs.append({**run, "epochs": [last]})
+        checks = run.get("checks") or []
+        runs.append({**run, "epochs": [last], "checks": [], "check_count": len(checks)})
     return {"config": results["config"], "runs": runs}
 
 

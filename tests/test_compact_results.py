@@ -30,7 +30,8 @@ def _results(seed: int) -> dict:
     config = {"task": "mnist1d", "workers": 4, "seed": seed, "seeds": 1, "epochs": 2,
               "strategies": ["dense", "static:int:8"]}  # fmt: skip
     runs = [{"strategy": s, "seed": seed, "epochs": [_epoch(0, 50.0, b), _epoch(1, 90.0 + seed, b)],
-             "checks": []} for s, b in (("dense", 400.0), ("static:int:8", 100.0))]  # fmt: skip
+             "checks": [{"epoch": 0}, {"epoch": 1}]}
+            for s, b in (("dense", 400.0), ("static:int:8", 100.0))]  # fmt: skip
     return {"config": config, "runs": runs}
 
 
@@ -47,6 +48,7 @@ def test_each_run_keeps_its_last_epoch_without_per_step_series(tmp_path):
         (last,) = run["epochs"]
         assert last["epoch"] == 1 and last["test_metric"] == 90.0 + run["seed"]
         assert "step_times_s" not in last and "levels" not in last
+        assert run["checks"] == [] and run["check_count"] == 2
     merged = load_results([out], baseline="dense")  # still a results.json
     assert {r["strategy"] for r in merged["runs"]} == {"dense", "static:int:8"}
 
