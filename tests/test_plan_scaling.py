@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import re
 
@@ -20,23 +19,12 @@ from accordion.models.resnet50 import RESNET50_PARAMETERS, ResNet50
 from accordion.models.shapes import SCALE_MODEL_NAMES, named_shapes, plan_model_names
 from accordion.models.transformer import TRANSFORMER_1B_PARAMETERS, Transformer
 from accordion.plan import make_plan, scaling_plan
+from plan_parts import run_json, run_text
 
 BREAK_EVEN_KEYS = {
     "workers", "density", "paper_density", "value_bytes", "index_bytes", "bytes_vs_dense",
 }  # fmt: skip
 SCALING_ARGS = ["--workers", "8,64,512", "--bandwidth", "10Gbit,100Gbit"]
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    """Run ``accordion plan --json ARGV`` in-process and parse its one JSON object."""
-    assert main(["plan", "--json", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def run_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run ``accordion plan ARGV`` in-process and return what it printed."""
-    assert main(["plan", *argv]) == 0
-    return capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

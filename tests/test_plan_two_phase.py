@@ -4,32 +4,18 @@ workers, and the cost model prices the two phases as an all-reduce (issue 51).""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from accordion.cli import main
 from accordion.compress.quantize import block_count
 from accordion.costmodel import allreduce_time, two_phase_time
 from accordion.models.shapes import named_shapes
 from accordion.plan import comm_time_per_step, diloco_plan, make_plan
+from plan_parts import run_json, run_text
 
 WORKERS = "2,8,64,512,1024"
 LEVELS = "int/8,int/4,nq/2,sparseloco/0.1,powersgd/4"
 #: The issue's targets: each level's wire bytes over dense's, at every worker count.
 TARGETS = {"int/8": 0.27, "int/4": 0.14, "nq/2": 0.075}
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    """Run ``accordion plan --json ARGV`` in-process and parse its one JSON object."""
-    assert main(["plan", "--json", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def run_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run ``accordion plan ARGV`` in-process and return what it printed."""
-    assert main(["plan", *argv]) == 0
-    return capsys.readouterr().out
 
 
 def test_plan_without_a_compressor_weighs_the_default_ladder_int8_then_int4(capsys) -> None:

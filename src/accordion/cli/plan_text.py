@@ -116,21 +116,14 @@ def _print_scaling(args: argparse.Namespace, summary: dict[str, Any], cells) -> 
         ],
     )  # fmt: skip
     per_workers = cells[:: len(rates)]  # the bytes do not depend on the link rate
-    print("\nbytes/step per worker (ring collectives)")
-    _print_table(
-        ("level", *(f"{c.workers} workers" for c in per_workers)),
-        [
-            (label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
-                              _bytes(c.rows[j].bytes_per_step)) for c in per_workers))
-            for j, label in enumerate(labels)
-        ],
-    )  # fmt: skip
-    print("\nbytes/step per worker against dense's")
-    _print_table(
-        ("level", *(f"{c.workers} workers" for c in per_workers)),
-        [
-            (label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
-                              _versus(c.rows[j].bytes_vs_dense)) for c in per_workers))
-            for j, label in enumerate(labels)
-        ],
-    )  # fmt: skip
+    for title, text in (("bytes/step per worker (ring collectives)",
+                         lambda row: _bytes(row.bytes_per_step)),
+                        ("bytes/step per worker against dense's",
+                         lambda row: _versus(row.bytes_vs_dense))):  # fmt: skip
+        print(f"\n{title}")
+        _print_table(
+            ("level", *(f"{c.workers} workers" for c in per_workers)),
+            [(label, *(_marked(c.rows[j].bytes_per_step, c.rows[0].bytes_per_step,
+                               text(c.rows[j])) for c in per_workers))
+             for j, label in enumerate(labels)],
+        )  # fmt: skip
