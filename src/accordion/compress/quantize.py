@@ -240,8 +240,7 @@ class IntQuantizer(Compressor):
         return cls(**mine) if level is None else cls(level, **mine)
 
     def track_noise(self, on: bool) -> None:
-        """While ``on``, the two-phase owners also send each block's first-phase scale RMS
-        (2 bytes a block), so that every rank has the average's error variance."""
+        """While ``on``, two-phase owners send each block's first-phase scale RMS too."""
         self._noise = bool(on)
 
     def set_local_size(self, local_size: int) -> None:
@@ -363,8 +362,9 @@ class IntQuantizer(Compressor):
             widths.setdefault(self.level(key), []).append(i)
         spans, exchanges, gathered = [], [], []
         for bits, ix in widths.items():
-            if self.two_phase_pays([padded_numel(tensors[i].shape) for i in ix], bits,
-                                   world_size):  # fmt: skip
+            shapes = [tensors[i].shape for i in ix]
+            payload = _payload_bytes(shapes, bits)  # the all-gather's: rows unpadded
+            if self.two_phase_pays([padded_numel(s) for s in shapes], bits, world_size, payload):
                 spans.append(ix)
                 exchanges.append(self._two_phase(keys, tensors, ix, bits, world_size, out))
             else:
@@ -383,12 +383,12 @@ class IntQuantizer(Compressor):
                 results[i] = result
         return results
 
-    def two_phase_pays(self, numels: Sequence[int], bits: int, world_size: int) -> bool:
-        """Whether tensors of ``numels`` elements at ``bits`` bits travel in two phases at
-        ``world_size`` workers: as :attr:`collective` says, or for ``"auto"`` where that
-        puts fewer bytes on the wire than one all-gather (from three workers on, or two
-        hosts of several workers, but for calls of a few elements on many workers, whose
-        chunks are mostly padding); with hosts of several workers, the bytes across hosts."""
+    def two_phase_pays(self, numels: Sequence[int], bits: int, world_size: int,
+                       gathered: float | None = None) -> bool:  # fmt: skip
+        """Whether tensors of ``numels`` elements (rows in whole blocks) at ``bits`` bits go
+        in two phases at ``world_size`` workers: as :attr:`collective` says, or for "auto"
+        where that sends fewer bytes (across hosts, with hosts) than an all-gather of
+        ``gathered`` bytes each (default ``numels``' payload): from 3 workers on."""
         if self.collective != "auto":
             return self.collective == "two_phase"
         total, hosts = sum(numels), self._hosts(world_size)
@@ -397,7 +397,7 @@ class IntQuantizer(Compressor):
         else:
             phases = two_phase_bytes(total, bits, world_size, BLOCK, SCALE_BYTES,
                                      variance=self._noise)  # fmt: skip
-        payload = sum(packed_bytes(n, bits) + SCALE_BYTES * block_count((n,)) for n in numels)
+        payload = _payload_bytes([(n,) for n in numels], bits) if gathered is None else gathered
         return phases < allgather_bytes(payload, world_size)
 
     def _hosts(self, world_size: int) -> int:
@@ -493,6 +493,11 @@ def _all_gather(codec: type[IntQuantizer], keys: Sequence[Hashable],
         results.append((average, m))
         offset, scale_offset = offset + nbytes, scale_offset + nscales
     return results
+
+
+def _payload_bytes(shapes: Sequence[Sequence[int]], bits: int) -> int:
+    """Bytes of tensors of ``shapes`` quantised at ``bits`` bits: packed codes and scales."""
+    return sum(packed_bytes(math.prod(s), bits) + SCALE_BYTES * block_count(s) for s in shapes)
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
