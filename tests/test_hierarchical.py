@@ -509,3 +509,8 @@ def test_an_all_to_all_whose_rows_are_not_its_scopes_workers_is_a_runtime_error(
     with pytest.raises(RuntimeError, match="leading dimension of 2"):
         world.run([ask(4) for _ in range(4)])
     world.run([ask(2) for _ in range(4)])  # the host's 2 rows: fine
+
+
+def test_a_local_size_that_does_not_divide_the_world_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="local_size must be >= 1 and divide the world size 4"):
+        next(two_phase_exchange(IntQuantizer, [torch.zeros(10)], 8, 4, local_size=3))

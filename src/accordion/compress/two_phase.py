@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from .transport import AllGather, AllToAll, Exchange
+from .transport import AllGather, AllToAll, Exchange, check_local_size
 from .wire import allgather_bytes, alltoall_bytes, check_world_size
 
 
@@ -150,6 +150,7 @@ def two_phase_exchange(
     layout. With ``variance``, the owner also sends per block the RMS of the first-phase
     scales (one more scale per block), and the result has the variance."""
     world_size = check_world_size(world_size)
+    local_size = check_local_size(local_size, world_size)
     second = bits if second_bits is None else second_bits
     n = sum(t.numel() for t in tensors)
     dtype = torch.promote_types(tensors[0].dtype, torch.float32) if tensors else torch.float32
