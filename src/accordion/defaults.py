@@ -6,9 +6,9 @@ integer quantisation, 8 bits in the critical regimes and 4 bits elsewhere. Power
 ranks, the default before, lost 8.6 points of next-character accuracy on the character
 transformer. The ladder is the same at every world size: from three workers on the
 integers travel in two phases (``compress/two_phase.py``), so each worker sends about
-``2 (W - 1) / W`` of its quantised bytes, 0.26x a dense fp32 ring all-reduce at 8 bits and
-0.13x at 4 bits, at any ``W`` (0.52x and 0.27x of a bf16 one). The all-gather it replaced
-grew with ``W``; half precision stood in for a rung past about 8 workers then.
+``2 (W - 1) / W`` of its quantised bytes, ``(b / 8 + 2 / 64) / 4`` of a dense fp32 ring
+all-reduce's at ``b`` bits, at any ``W``. The all-gather it replaced grew with ``W``; half
+precision stood in for a rung past about 8 workers then.
 """
 
 from __future__ import annotations

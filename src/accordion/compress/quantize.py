@@ -172,7 +172,7 @@ class IntQuantizer(Compressor):
       receive in fp32, quantise the average again (adding their *server error*, what the
       last such quantisation did not send, checkpointed with the compressor) and all of
       them are all-gathered. Each worker sends about ``2 (W - 1) / W`` of its quantised
-      payload, flat in ``W``: int8 about 0.26x a dense fp32 ring all-reduce at any size.
+      payload, flat in ``W``: ``(b / 8 + 2 / 64) / 4`` of a dense fp32 ring all-reduce's.
     * **one all-gather** of the packed integers and the scales of all tensors: every
       worker dequantises the ``W`` payloads, worker 0 first, and averages them. Each
       worker's bytes grow with ``W - 1``; at two workers it sends what two phases send,
